@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU wheel on machines that carry it; on a GPU box install the CUDA torch 2.13 you want first.
+TORCH ?= torch==2.13.0
+TARGET ?= cpu-tiny-sdxl
+
+.PHONY: install test test-fast lint demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check aotbuild tests
+
+demo: install
+	$(VENV)/bin/aotbuild build --target $(TARGET)
+	$(VENV)/bin/aotbuild run --target $(TARGET) --prompt "a red fox in the snow" --steps 4 --seed 0 --output demo.png
+
+clean:
+	rm -rf artifacts/*/ .artifacts-staging demo*.png

@@ -1,0 +1,42 @@
+"""aotbuild: ahead-of-time compiled diffusers pipelines that start at full speed.
+
+Public API: `load_pipeline`, `apply`, `build`, `load_target`, `Target` and the errors. Heavy
+modules (torch, diffusers) are imported on first use, not at `import aotbuild`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    AotbuildError,
+    ArtifactError,
+    BuildError,
+    CorruptArtifactError,
+    IncompatibleArtifactError,
+    NumericsError,
+    ShapeNotSupportedError,
+    SourceError,
+    TargetError,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_pipeline": "runtime", "apply": "runtime",
+    "build": "builder",
+    "Target": "targets", "load_target": "targets", "list_targets": "targets",
+}
+
+__all__ = [
+    "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "IncompatibleArtifactError",
+    "NumericsError", "ShapeNotSupportedError", "SourceError", "TargetError", *_LAZY, "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'aotbuild' has no attribute {name!r}")

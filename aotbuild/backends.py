@@ -1,0 +1,75 @@
+"""The three ways to run a target's pipeline, for `aotbuild run` and `aotbuild bench`:
+`aot` (the built artifact), `eager` (the same optimized modules, uncompiled) and `compile`
+(torch.compile of those modules with the target's inductor options)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import AotbuildError
+from .targets import Target
+
+BACKENDS = ("aot", "eager", "compile")
+
+
+def prepare(target: Target, backend: str, artifacts_dir: Path) -> Any:
+    """A ready pipeline for `target` run the `backend` way."""
+    if backend == "aot":
+        from .runtime import load_pipeline
+
+        folder = artifacts_dir / target.name
+        if not (folder / "manifest.json").is_file():
+            raise AotbuildError(f"no artifact at {folder}",
+                                hint=f"build it first: aotbuild build --target {target.name}")
+        pipe = load_pipeline(folder)
+    elif backend in ("eager", "compile"):
+        from .builder import _load_pipeline, _optimize
+        from .pipelines import pipeline_spec
+
+        spec = pipeline_spec(target.pipeline)
+        pipe = _load_pipeline(target, spec, torch.device(target.device))
+        specs = [spec.component(name) for name in target.components]
+        modules = {s.name: getattr(pipe, s.attribute) for s in specs}
+        _optimize(modules, target)
+        if backend == "compile":
+            from .export import inductor_options
+
+            options = {k: v for k, v in inductor_options(target.inductor).items() if not k.startswith("aot_inductor.")}
+            for s in specs:
+                module = getattr(pipe, s.attribute)
+                compiled = torch.compile(getattr(module, s.method), options=options)
+                setattr(module, s.method, compiled)
+    else:
+        raise AotbuildError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@dataclass
+class Generation:
+    images: list
+    first_step_s: float
+    total_s: float
+
+
+def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | None = None,
+             width: int | None = None, batch: int = 1, guidance_scale: float = 5.0) -> Generation:
+    """One image call, timing the first denoising step (the cost a cold start shows) and the total."""
+    marks: list[float] = []
+
+    def on_step_end(pipeline: Any, step: int, timestep: Any, kwargs: dict) -> dict:
+        marks.append(time.perf_counter())
+        return kwargs
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        result = pipe(prompt, num_inference_steps=steps, height=height, width=width,
+                      num_images_per_prompt=batch, guidance_scale=guidance_scale,
+                      generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=on_step_end)
+    total = time.perf_counter() - start
+    return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total)

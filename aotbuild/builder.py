@@ -1,0 +1,326 @@
+"""One build: target -> artifact folder. Read top to bottom, this is the whole flow:
+
+load -> capture (fp32 eager reference) -> optimize -> capture (example inputs) -> export ->
+compile -> package (+ weights) -> validate (compiled vs reference) -> manifest -> rename into place.
+
+Everything is written to a staging folder beside `artifacts/` and renamed into place only when
+complete, so a failed or killed build leaves the previous artifact untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import capture, export, optimize, sources
+from .errors import AotbuildError, BuildError, NumericsError
+from .manifest import (
+    SCHEMA_VERSION,
+    aotbuild_version,
+    environment,
+    read_manifest,
+    sha256_file,
+    verify_files,
+    write_manifest,
+)
+from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec
+from .runtime import CompiledVariant, leaf_signature
+from .targets import ShapeBucket, Target
+
+# Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
+TOLERANCES = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
+
+Progress = Callable[[str, str], None]
+
+
+def print_progress(stage: str, message: str) -> None:
+    print(f"[{stage:>9}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class BuildResult:
+    folder: Path
+    manifest: dict[str, Any]
+    skipped: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Stages:
+    """Times each stage (summed over repeats) and reports it through `progress`."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str, message: str) -> Iterator[None]:
+        self.progress(stage, message)
+        start = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - start
+        self.timings[stage] = self.timings.get(stage, 0.0) + elapsed
+        self.progress(stage, f"done in {elapsed:.1f}s")
+
+
+def variant_name(bucket: ShapeBucket) -> str:
+    return f"b{bucket.batch}_{bucket.height}x{bucket.width}"
+
+
+def is_fresh(folder: Path, target: Target) -> bool:
+    """The folder holds an intact artifact of exactly this target, aotbuild and torch."""
+    try:
+        manifest = read_manifest(folder)
+        verify_files(folder, manifest)
+    except AotbuildError:
+        return False
+    return (manifest.get("target_hash") == target.content_hash()
+            and manifest.get("aotbuild") == aotbuild_version()
+            and manifest["environment"].get("torch") == torch.__version__)
+
+
+def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, force: bool = False,
+          allow_numerics_drift: bool = False, progress: Progress = print_progress) -> BuildResult:
+    """Build `target` into `artifacts_dir/<target.name>/`, or skip when it is already fresh.
+
+    Raises:
+        BuildError, NumericsError, SourceError: the previous artifact, if any, is left as it was.
+    """
+    artifacts_dir = Path(artifacts_dir)
+    folder = artifacts_dir / target.name
+    if not force and is_fresh(folder, target):
+        progress("fresh", f"{folder} is up to date (use --force to rebuild)")
+        return BuildResult(folder, read_manifest(folder), skipped=True)
+    _check_device(target)
+
+    staging_root = artifacts_dir.parent / f".{artifacts_dir.name}-staging"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(staging_root)
+    staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{target.name}-", dir=staging_root))
+    staging.chmod(0o755)
+    try:
+        manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress))
+        artifacts_dir.mkdir(parents=True, exist_ok=True)
+        _replace_folder(staging, folder, staging_root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_if_empty(staging_root)
+    return BuildResult(folder, manifest, timings=manifest["timings"])
+
+
+def _check_device(target: Target) -> None:
+    if target.device == "cuda":
+        if not torch.cuda.is_available():
+            raise BuildError(f"target {target.name} is for cuda, and this machine has no CUDA device")
+        found = "{}.{}".format(*torch.cuda.get_device_capability())
+        if target.gpu and found != target.gpu.capability:
+            raise BuildError(f"target {target.name} is for compute capability {target.gpu.capability} "
+                             f"({target.gpu.name}); this GPU is {found}")
+
+
+def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -> dict[str, Any]:
+    spec = pipeline_spec(target.pipeline)
+    specs = [spec.component(name) for name in target.components]
+    device = torch.device(target.device)
+    inductor_options = export.inductor_options(target.inductor)
+
+    with stages("load", f"{target.pipeline} from {target.source}"):
+        pipe = _load_pipeline(target, spec, device)
+    with stages("capture", "eager float32 reference"):
+        reference = _capture_all(pipe, specs, target, stages.progress)
+    modules = {s.name: getattr(pipe, s.attribute) for s in specs}
+    with stages("optimize", ", ".join(["dtype", *target.optimize])):
+        records = _optimize(modules, target)
+    examples = reference
+    if records["changes_inputs"]:
+        with stages("capture", "example inputs of the optimized pipeline"):
+            examples = _capture_all(pipe, specs, target, stages.progress)
+
+    components = {
+        s.name: _build_component(s, modules[s.name], target, examples, records["dtype"][s.name],
+                                 inductor_options, out, stages)
+        for s in specs
+    }
+    if sources.is_random(target.source):
+        shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
+
+    manifest = {
+        "schema": SCHEMA_VERSION,
+        "aotbuild": aotbuild_version(),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "target": target.to_dict(),
+        "target_hash": target.content_hash(),
+        "source": {"id": target.source, "revision": target.revision,
+                   "seed": target.seed if sources.is_random(target.source) else None},
+        "environment": environment(target.device),
+        "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
+        "components": components,
+        "files": {},
+        "timings": {},
+    }
+    with stages("validate", "compiled vs eager float32 on the captured inputs"):
+        _validate(out, manifest, reference, device, allow_drift)
+    manifest["files"] = {
+        str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(out.rglob("*")) if p.is_file()
+    }
+    manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _capture_all(pipe: Any, specs: list, target: Target, progress: Progress) -> dict:
+    """{bucket: {component: CapturedCall}} from one pipeline call per bucket."""
+    calls = {}
+    for bucket in target.shapes:
+        progress("capture", f"at {bucket} (batch x height x width)")
+        calls[bucket] = capture.capture_inputs(pipe, specs, batch=bucket.batch, height=bucket.height,
+                                               width=bucket.width, guidance_scale=target.guidance_scale)
+    return calls
+
+
+def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, examples: dict, dtype: str,
+                     inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
+    """Export, compile and package every shape variant of one component; returns its manifest entry."""
+    exported = spec.export_module(module).eval()
+    programs = {}
+    for bucket in target.shapes:
+        call = examples[bucket][spec.name]
+        with stages("export", f"{spec.name} at {bucket}"):
+            programs[variant_name(bucket)] = export.export_variant(
+                exported, call.args, call.kwargs, optimize.export_context(target.optimize))
+    compiled = {}
+    for i, (name, program) in enumerate(programs.items(), 1):
+        with stages("compile", f"{spec.name} {name} ({i}/{len(programs)}, AOTInductor)"):
+            compiled[name] = export.compile_variant(program, inductor_options)
+    package_file, weights_file = f"{spec.name}.pt2", f"{spec.name}.safetensors"
+    with stages("package", f"{package_file} + {weights_file}"):
+        constants = _write_package(out, package_file, weights_file, compiled, programs)
+    return {
+        "attribute": spec.attribute, "method": spec.method,
+        "package": package_file, "weights": weights_file,
+        "dtype": dtype,
+        "config": dict(module.config),
+        "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
+        "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values())},
+        "variants": [
+            {"name": variant_name(b), "bucket": {"batch": b.batch, "height": b.height, "width": b.width},
+             "inputs": leaf_signature((examples[b][spec.name].args, examples[b][spec.name].kwargs))}
+            for b in target.shapes
+        ],
+    }
+
+
+def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> Any:
+    folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set())
+    seed = target.seed if sources.is_random(target.source) else None
+    components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32)
+    pipe = sources.pipeline_class(spec)(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def _optimize(modules: dict[str, torch.nn.Module], target: Target) -> dict[str, Any]:
+    force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in modules.items()}
+    dtypes = optimize.apply_dtype(modules, target.dtype, force_upcast)
+    passes = optimize.apply_passes(modules, target.optimize, target.device)
+    return {"dtype": dtypes, "passes": passes,
+            "changes_inputs": any(d != "float32" for d in dtypes.values()) or bool(target.optimize)}
+
+
+def _write_package(out: Path, package_file: str, weights_file: str, compiled: dict[str, list],
+                   programs: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    export.package(out / package_file, compiled)
+    constants = export.constants_of(list(programs.values()))
+    save_file({k: v.cpu() for k, v in constants.items()}, os.fspath(out / weights_file))
+    (out / weights_file).chmod(0o644)
+    return constants
+
+
+def _validate(out: Path, manifest: dict[str, Any], reference: dict, device: torch.device, allow_drift: bool) -> None:
+    """Run each compiled variant through the runtime's own loader on the float32 captured inputs
+    (cast to the variant's dtypes) and compare with the eager float32 output."""
+    from .runtime import _load_weights
+
+    failures = []
+    for name, entry in manifest["components"].items():
+        weights = _load_weights(out / entry["weights"], device)
+        tolerance = TOLERANCES[entry["dtype"]]
+        for variant_entry in entry["variants"]:
+            bucket = ShapeBucket(**variant_entry["bucket"])
+            call = reference[bucket][name]
+            variant = CompiledVariant(out / entry["package"], variant_entry, device, weights)
+            leaves = variant.flatten(call.args, call.kwargs)
+            if leaves is None or not variant.accepts(leaves):
+                raise BuildError(f"{name} {variant.name}: the compiled model does not accept its own captured inputs")
+            with torch.no_grad():
+                result = variant.run(leaves, device)
+            result = result[0] if isinstance(result, (tuple, list)) else result
+            expected = call.output.float()
+            error = (result.float() - expected).abs().max().item()
+            scale = max(expected.abs().max().item(), 1e-6)
+            variant_entry["numerics"] = {
+                "max_abs_error": error, "max_rel_error": error / scale, "tolerance": tolerance,
+                "reference": "eager float32, unoptimized",
+            }
+            if not error / scale <= tolerance:  # also catches NaN
+                failures.append(f"{name} {variant.name}: relative error {error / scale:.3g} > {tolerance:g}")
+            del variant
+        del weights
+    if failures and not allow_drift:
+        raise NumericsError("compiled output differs from eager: " + "; ".join(failures),
+                            hint="inspect the recipe, or accept with --allow-numerics-drift")
+
+
+def _get_dotted(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _replace_folder(new: Path, folder: Path, staging_root: Path) -> None:
+    """Move the complete `new` folder to `folder`, replacing what was there."""
+    old = None
+    if folder.exists():
+        old = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-old-", dir=staging_root))
+        os.rename(folder, old / "artifact")
+    os.rename(new, folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_staging(staging_root: Path) -> None:
+    """Delete staging folders left by killed builds (their process is gone)."""
+    for path in staging_root.iterdir():
+        pid = path.name.split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass

@@ -1,0 +1,82 @@
+"""Record the real calls a pipeline makes to its components, so export sees exactly what the
+pipeline passes (dict inputs such as SDXL's `added_cond_kwargs` included), at each shape bucket."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .pipelines import ComponentSpec
+
+
+@dataclass
+class CapturedCall:
+    """The first call a component received: inputs as the exported module takes them, and the
+    tensor it returned (the eager reference for numerics)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: torch.Tensor
+
+
+def _detached(tree: Any) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
+
+
+@contextlib.contextmanager
+def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, CapturedCall]]:
+    """Within the block, the first call of each spec's method on the pipeline is recorded.
+
+    The method is wrapped on the instance with `functools.wraps`, so signatures stay intact, and
+    the instance attribute is removed afterwards: the module is left exactly as it was found.
+    """
+    calls: dict[str, CapturedCall] = {}
+    patched = []
+    for spec in specs:
+        module = getattr(pipe, spec.attribute)
+        original = getattr(module, spec.method)
+
+        def record(*args: Any, _spec: ComponentSpec = spec, _original: Any = original, **kwargs: Any) -> Any:
+            output = _original(*args, **kwargs)
+            if _spec.name not in calls:
+                call_args, call_kwargs = _detached(_spec.call_inputs(args, kwargs))
+                sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
+                calls[_spec.name] = CapturedCall(tuple(call_args), dict(call_kwargs), sample.detach().clone())
+            return output
+
+        had_instance_attr = spec.method in vars(module)
+        setattr(module, spec.method, functools.wraps(original)(record))
+        patched.append((module, spec.method, had_instance_attr, original))
+    try:
+        yield calls
+    finally:
+        for module, method, had_instance_attr, original in patched:
+            if had_instance_attr:
+                setattr(module, method, original)
+            else:
+                delattr(module, method)
+
+
+def capture_inputs(
+    pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
+) -> dict[str, CapturedCall]:
+    """Run the pipeline once (one denoising step) at this shape and return each component's inputs."""
+    with recording(pipe, specs) as calls, torch.no_grad():
+        pipe(
+            prompt="a photo of a red fox in the snow",
+            num_images_per_prompt=batch, height=height, width=width,
+            num_inference_steps=1, guidance_scale=guidance_scale, output_type="np",
+            generator=torch.Generator("cpu").manual_seed(0),
+        )
+    missing = [s.name for s in specs if s.name not in calls]
+    if missing:
+        from .errors import BuildError
+
+        raise BuildError(f"the pipeline never called {', '.join(missing)} during capture")
+    return calls

@@ -1,0 +1,163 @@
+"""The `aotbuild` command. Argument handling and printing only; every AotbuildError becomes one
+line on stderr (plus a hint) and a non-zero exit, with a traceback only under --debug."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import AotbuildError
+
+ARTIFACTS_HELP = "folder holding one artifact folder per target"
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except AotbuildError as exc:
+            if ctx.params.get("debug"):
+                raise
+            click.echo(f"error: {exc}", err=True)
+            if exc.hint:
+                click.echo(f"hint: {exc.hint}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks.")
+@click.version_option(package_name="aotbuild")
+def main(debug: bool) -> None:
+    """Build diffusers pipelines into ahead-of-time compiled artifacts, and run them."""
+
+
+@main.command()
+@click.option("--dir", "targets_dir", type=click.Path(path_type=Path), help="targets folder (default: ./targets)")
+def targets(targets_dir: Path | None) -> None:
+    """List the targets, one line each."""
+    from .targets import list_targets
+
+    for t in list_targets(targets_dir):
+        shapes = ",".join(str(s) for s in t.shapes)
+        click.echo(f"{t.name:<20} {t.device:<5} {t.dtype:<9} {t.pipeline:<26} shapes={shapes} "
+                   f"components={','.join(t.components)}")
+
+
+@main.command()
+@click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
+@click.option("--force", is_flag=True, help="rebuild even when the artifact is fresh")
+@click.option("--allow-numerics-drift", is_flag=True, help="keep a build whose error exceeds its tolerance")
+@click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              help=ARTIFACTS_HELP)
+def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: Path) -> None:
+    """Build artifacts/<target>/ (skipped when already fresh)."""
+    from .builder import build as run_build
+    from .targets import load_target
+
+    target = load_target(target_name)
+    result = run_build(target, artifacts, force=force, allow_numerics_drift=allow_numerics_drift)
+    if result.skipped:
+        click.echo(f"{result.folder}: fresh, nothing to do")
+        return
+    click.echo(_summary(result.folder, result.manifest))
+
+
+@main.command()
+@click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
+@click.option("--prompt", required=True)
+@click.option("--backend", type=click.Choice(["aot", "eager", "compile"]), default="aot", show_default=True)
+@click.option("--steps", type=int, default=4, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--height", type=int, help="pixels (default: the target's first bucket)")
+@click.option("--width", type=int, help="pixels (default: the target's first bucket)")
+@click.option("--batch", type=int, help="images per prompt (default: the target's first bucket)")
+@click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
+@click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              help=ARTIFACTS_HELP)
+def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, height: int | None,
+        width: int | None, batch: int | None, output: Path | None, artifacts: Path) -> None:
+    """Generate an image with the artifact (aot) or the eager / torch.compile pipeline."""
+    from .backends import generate, prepare
+    from .targets import load_target
+
+    target = load_target(target_name)
+    first = target.shapes[0]
+    start = time.perf_counter()
+    pipe = prepare(target, backend, artifacts)
+    load_s = time.perf_counter() - start
+    gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or first.height,
+                   width=width or first.width, batch=batch or first.batch, guidance_scale=target.guidance_scale)
+    if output:
+        for i, image in enumerate(gen.images):
+            path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
+            image.save(path)
+            click.echo(f"wrote {path}")
+    click.echo(f"backend={backend} load={load_s:.2f}s first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s "
+               f"({steps} steps, {len(gen.images)} image(s))")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
+def inspect(artifact: Path, as_json: bool) -> None:
+    """Show an artifact's manifest."""
+    from .manifest import read_manifest
+
+    manifest = read_manifest(artifact)
+    click.echo(json.dumps(manifest, indent=2) if as_json else _summary(artifact, manifest))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+def verify(artifact: Path) -> None:
+    """Check hashes and fit to this machine; exits non-zero on any problem."""
+    from .manifest import check_compatible, read_manifest, verify_files
+
+    manifest = read_manifest(artifact)
+    verify_files(artifact, manifest)
+    check_compatible(manifest)
+    click.echo(f"{artifact}: ok ({len(manifest['files'])} files verified, fits this machine)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _summary(folder: Path, m: dict[str, Any]) -> str:
+    t, env = m["target"], m["environment"]
+    lines = [
+        f"artifact   {folder}",
+        f"target     {t['name']}  ({t['pipeline']}, {t['device']}, {t['dtype']})",
+        f"source     {m['source']['id']}" + (f"@{m['source']['revision']}" if m['source'].get('revision') else "")
+        + (f" seed={m['source']['seed']}" if m['source'].get('seed') is not None else ""),
+        f"built      {m['created']} by aotbuild {m['aotbuild']}, torch {env['torch']}, {env['platform']}, "
+        f"cpu {env['cpu_isa']}" + (f", {env['gpu_name']} sm{env['gpu_capability']}" if env.get("gpu_name") else ""),
+        f"passes     dtype={m['optimizations']['dtype']} "
+        + " ".join(f"{k}={v}" for k, v in m["optimizations"]["passes"].items()),
+        "components",
+    ]
+    for name, c in m["components"].items():
+        lines.append(f"  {name:<12} {c['package']} + {c['weights']} ({c['constants']['count']} constants, "
+                     f"{_mib(c['constants']['bytes'])}, {c['dtype']})")
+        for v in c["variants"]:
+            b, num = v["bucket"], v.get("numerics", {})
+            shapes = " ".join(f"{i['path']}={i['shape']}" for i in v["inputs"] if "shape" in i)
+            error = f"rel.err {num.get('max_rel_error', float('nan')):.2e} (tol {num.get('tolerance', '?')})"
+            lines.append(f"    {v['name']:<12} batch {b['batch']}, {b['height']}x{b['width']} px   {error}   {shapes}")
+    lines.append("files")
+    for name, f in m["files"].items():
+        if "/" not in name:
+            lines.append(f"  {name:<26} {_mib(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
+    total = sum(f["bytes"] for f in m["files"].values())
+    lines.append(f"  {'total':<26} {_mib(total):>10}")
+    lines.append("timings    " + "  ".join(f"{k} {v:.1f}s" for k, v in m["timings"].items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

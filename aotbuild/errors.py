@@ -1,0 +1,55 @@
+"""Every user-facing failure is an AotbuildError; the CLI prints its message and hint, never a traceback."""
+
+from __future__ import annotations
+
+
+class AotbuildError(Exception):
+    """Base class. `hint` is the next step to suggest to the user, if there is one."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class TargetError(AotbuildError):
+    """A target file is missing, malformed or asks for something impossible."""
+
+    exit_code = 2
+
+
+class SourceError(AotbuildError):
+    """The pipeline source (Hub id, folder or random config set) cannot be read."""
+
+
+class BuildError(AotbuildError):
+    """A build step failed: export, compile, packaging."""
+
+
+class NumericsError(BuildError):
+    """A compiled variant's output differs from eager beyond its tolerance."""
+
+
+class ArtifactError(AotbuildError):
+    """An artifact folder cannot be used."""
+
+
+class IncompatibleArtifactError(ArtifactError):
+    """The artifact was built for another machine, torch or dtype."""
+
+    def __init__(self, field: str, found: object, expected: object, *, hint: str | None = None) -> None:
+        super().__init__(
+            f"artifact does not fit this machine: {field} is {expected!r} in the artifact, "
+            f"{found!r} here",
+            hint=hint or "rebuild the artifact on this machine: aotbuild build --target NAME --force",
+        )
+        self.field, self.found, self.expected = field, found, expected
+
+
+class CorruptArtifactError(ArtifactError):
+    """A file of the artifact is missing or fails its sha256."""
+
+
+class ShapeNotSupportedError(AotbuildError):
+    """A call's input shapes match no compiled variant."""

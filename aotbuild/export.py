@@ -1,0 +1,84 @@
+"""torch.export + AOTInductor for one component: one compiled model per shape variant, all in one
+weight-less .pt2 package, plus the exact constants that package binds at load."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import BuildError
+
+# Options every compile gets, on top of the target's [inductor] table:
+# - the package holds code only; weights go to safetensors and are bound at load;
+# - every weight stays a named constant (default packaging inlines tiny ones as literals, which
+#   binding other weights would then silently miss);
+# - no compile-time constant folding, which would bake values computed from the build's weights.
+WEIGHTLESS_OPTIONS: dict[str, Any] = {
+    "aot_inductor.package": True,
+    "aot_inductor.package_constants_in_so": False,
+    "always_keep_tensor_constants": True,
+    "joint_graph_constant_folding": False,
+}
+
+
+def inductor_options(target_options: dict[str, Any]) -> dict[str, Any]:
+    """The full per-compile option dict; unknown inductor keys are refused by name."""
+    from torch._inductor import config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    for key in target_options:
+        if key not in known:
+            raise BuildError(f"[inductor] key {key!r} is not an inductor config option of torch {torch.__version__}")
+        if key in WEIGHTLESS_OPTIONS:
+            raise BuildError(f"[inductor] key {key!r} is set by aotbuild to keep packages weight-less")
+    return {**target_options, **WEIGHTLESS_OPTIONS}
+
+
+def export_variant(module: torch.nn.Module, args: tuple, kwargs: dict,
+                   context: Any = None) -> torch.export.ExportedProgram:
+    """torch.export of the module at one static shape (non-strict: traces through diffusers code)."""
+    with context or contextlib.nullcontext():
+        try:
+            return torch.export.export(module, args, kwargs, strict=False)
+        except Exception as exc:
+            raise BuildError(f"torch.export failed for {type(module).__name__}: {exc}") from exc
+
+
+def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> list:
+    """AOTInductor compile of one exported program; returns the files to package."""
+    args, kwargs = program.example_inputs
+    graph = program.module(check_guards=False)
+    try:
+        files = torch._inductor.aot_compile(graph, args, kwargs, options=dict(options))
+    except Exception as exc:
+        raise BuildError(f"AOTInductor compile failed: {exc}") from exc
+    return files
+
+
+def package(path: Path, compiled: dict[str, list]) -> None:
+    """Write one .pt2 holding every variant as a named model."""
+    from torch._inductor.package import package_aoti
+
+    package_aoti(os.fspath(path), compiled)
+
+
+def constants_of(programs: list[torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and lifted constant the programs bind, by FQN, as plain
+    contiguous tensors that own their storage (safetensors refuses shared storage)."""
+    constants: dict[str, torch.Tensor] = {}
+    for program in programs:
+        for fqn, value in {**program.state_dict, **program.constants}.items():
+            if isinstance(value, torch.Tensor) and fqn not in constants:
+                constants[fqn] = value.detach()
+    seen: set[int] = set()
+    for fqn, tensor in constants.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in seen or not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.contiguous().clone()
+        seen.add(pointer)
+        constants[fqn] = tensor
+    return constants

@@ -1,0 +1,130 @@
+"""The manifest: schema version, environment fingerprint, file hashes, and the checks that decide
+whether an artifact fits this machine. Imported by the runtime: torch, hashlib and json only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CorruptArtifactError, IncompatibleArtifactError
+
+MANIFEST_NAME = "manifest.json"
+SCHEMA_VERSION = 1
+# x86 CPU capabilities torch reports, weakest first: code built for one runs on any later one.
+CPU_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16", "AMX")
+
+
+def aotbuild_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What decides whether compiled code runs here: torch build, accelerator, CPU, Python."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "python": platform.python_version(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "device_type": device,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+    }
+    if device == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env["gpu_name"] = props.name
+        env["gpu_capability"] = f"{props.major}.{props.minor}"
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+    return env
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The parsed manifest of an artifact folder."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        raise CorruptArtifactError(f"{folder} is not an artifact: {MANIFEST_NAME} is missing",
+                                   hint="build it first: aotbuild build --target NAME")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CorruptArtifactError(f"{path} is not valid JSON: {exc}") from None
+    if manifest.get("schema") != SCHEMA_VERSION:
+        raise IncompatibleArtifactError("schema", SCHEMA_VERSION, manifest.get("schema"))
+    return manifest
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    (Path(folder) / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def verify_files(folder: Path, manifest: dict[str, Any]) -> None:
+    """Every file listed in the manifest exists with its recorded size and sha256."""
+    for name, entry in manifest["files"].items():
+        path = Path(folder) / name
+        if not path.is_file():
+            raise CorruptArtifactError(f"{path} is missing from the artifact")
+        if path.stat().st_size != entry["bytes"]:
+            raise CorruptArtifactError(
+                f"{path}: size is {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
+        actual = sha256_file(path)
+        if actual != entry["sha256"]:
+            raise CorruptArtifactError(f"{path}: sha256 is {actual}, the manifest says {entry['sha256']}",
+                                       hint="the file was changed or damaged; rebuild or pull it again")
+
+
+def _isa_rank(isa: str) -> int:
+    return CPU_ISA_ORDER.index(isa) if isa in CPU_ISA_ORDER else -1
+
+
+def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dtype: str | None = None) -> None:
+    """Refuse an artifact that cannot run here, naming the field and both values.
+
+    Args:
+        manifest: a parsed manifest.
+        device: the device type the caller wants ("cpu", "cuda"); defaults to the artifact's.
+        dtype: the dtype the caller wants; defaults to the artifact's.
+
+    Raises:
+        IncompatibleArtifactError: torch version, device type, GPU capability, CPU ISA or dtype differ.
+    """
+    built = manifest["environment"]
+    here = environment(built["device_type"])
+    if here["torch"] != built["torch"]:
+        raise IncompatibleArtifactError("torch", here["torch"], built["torch"],
+                                        hint="compiled code is tied to the torch build; rebuild with this torch")
+    if device is not None and device != built["device_type"]:
+        raise IncompatibleArtifactError("device_type", device, built["device_type"])
+    if built["platform"] != here["platform"]:
+        raise IncompatibleArtifactError("platform", here["platform"], built["platform"])
+    if built["device_type"] == "cuda":
+        if not torch.cuda.is_available():
+            raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda")
+        if here.get("gpu_capability") != built.get("gpu_capability"):
+            raise IncompatibleArtifactError("gpu_capability", here.get("gpu_capability"), built.get("gpu_capability"))
+    elif _isa_rank(here["cpu_isa"]) < _isa_rank(built["cpu_isa"]) or (
+        _isa_rank(built["cpu_isa"]) < 0 and here["cpu_isa"] != built["cpu_isa"]
+    ):
+        raise IncompatibleArtifactError("cpu_isa", here["cpu_isa"], built["cpu_isa"])
+    if dtype is not None and dtype != manifest["target"]["dtype"]:
+        raise IncompatibleArtifactError("dtype", dtype, manifest["target"]["dtype"])

@@ -1,0 +1,274 @@
+"""The lightweight loader: check an artifact against this machine, load its compiled packages,
+bind their weights without copies, and swap them into a diffusers pipeline.
+
+Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,
+torchao or torch._dynamo: what this module imports decides cold start.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import AotbuildError, ShapeNotSupportedError
+from .manifest import check_compatible, read_manifest, verify_files
+from .pipelines import pipeline_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Config(dict):
+    """A model config readable as attributes, like diffusers' FrozenDict."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def leaf_name(path: tuple) -> str:
+    """A readable name for a leaf of an (args, kwargs) pair: `args[0]`, `added_cond_kwargs.time_ids`."""
+    keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
+    if not keys:
+        return "input"
+    head = f"args[{keys[1]}]" if keys[0] == 0 and len(keys) > 1 else str(keys[1] if len(keys) > 1 else keys[0])
+    return ".".join([head, *map(str, keys[2:])])
+
+
+def leaf_signature(tree: Any) -> list[dict[str, Any]]:
+    """Flattened description of a call: per leaf its path and, for tensors, shape/dtype/stride."""
+    leaves = []
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        key = leaf_name(path)
+        if isinstance(leaf, torch.Tensor):
+            leaves.append({"path": key, "shape": list(leaf.shape), "dtype": str(leaf.dtype).removeprefix("torch."),
+                           "stride": list(leaf.stride())})
+        else:
+            leaves.append({"path": key, "value": repr(leaf)})
+    return leaves
+
+
+class CompiledVariant:
+    """One compiled model of a package (one shape variant), bound to its weights."""
+
+    def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
+                 weights: dict[str, torch.Tensor]) -> None:
+        index = device.index if device.type == "cuda" and device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else -1)
+        self.name = entry["name"]
+        self.entry = entry
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, False, 1, index)
+        in_spec, out_spec = self.loader.get_call_spec()
+        self.in_spec = pytree.treespec_loads(in_spec)
+        self.out_spec = pytree.treespec_loads(out_spec)
+        self.inputs = entry["inputs"]
+        # Bind before any call: a weight-less model run without constants crashes the process.
+        self.loader.load_constants({k: weights[k] for k in self.loader.get_constant_fqns()}, False, True, True)
+
+    def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
+        """The call's leaves in this model's order, or None when its structure differs."""
+        kwargs_spec = self.in_spec.child(1)
+        if set(kwargs) != set(kwargs_spec.context):
+            return None
+        ordered = {k: kwargs[k] for k in kwargs_spec.context}
+        leaves, spec = pytree.tree_flatten_with_path((tuple(args), ordered))
+        if spec != self.in_spec:
+            return None
+        return [(leaf_name(path), leaf) for path, leaf in leaves]
+
+    def accepts(self, leaves: list[tuple[str, Any]]) -> bool:
+        for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                if "shape" not in expected or list(leaf.shape) != expected["shape"]:
+                    return False
+            elif "value" not in expected or repr(leaf) != expected["value"]:
+                return False
+        return True
+
+    def run(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
+        tensors = []
+        for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                want = DTYPES.get(expected["dtype"], leaf.dtype) if leaf.is_floating_point() else leaf.dtype
+                leaf = leaf.to(device=device, dtype=want)
+                if list(leaf.stride()) != expected["stride"]:
+                    leaf = leaf.contiguous()
+                tensors.append(leaf)
+        return pytree.tree_unflatten(self.loader.boxed_run(tensors), self.out_spec)
+
+    def __repr__(self) -> str:
+        return f"CompiledVariant({self.name}, bucket={self.entry.get('bucket')})"
+
+
+class CompiledComponent(torch.nn.Module):
+    """Stands in for a pipeline module: keeps its `config`, `dtype`, `device` and the attributes the
+    pipeline reads, and routes calls to the compiled variant matching the input shapes."""
+
+    def __init__(self, name: str, entry: dict[str, Any], variants: list[CompiledVariant],
+                 weights: dict[str, torch.Tensor], device: torch.device,
+                 eager: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.component_name = name
+        self.config = Config(entry["config"])
+        self.variants = variants
+        self._weights = weights  # bound by pointer (user_managed): must live as long as the models
+        self._dtype = DTYPES[entry["dtype"]]
+        self._device = device
+        self._spec = pipeline_spec(entry["pipeline"]).component(name)
+        self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
+        self.last_variant: str | None = None
+        for dotted, value in entry.get("attributes", {}).items():
+            _set_dotted(self, dotted, value)
+        if self._spec.method != "forward":
+            setattr(self, self._spec.method, self.forward)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return_dict = kwargs.pop("return_dict", True)
+        call_args, call_kwargs = self._spec.call_inputs(args, kwargs)
+        for variant in self.variants:
+            leaves = variant.flatten(call_args, call_kwargs)
+            if leaves is not None and variant.accepts(leaves):
+                self.last_variant = variant.name
+                outputs = variant.run(leaves, self._device)
+                break
+        else:
+            if not self._eager:
+                raise ShapeNotSupportedError(self._coverage_message(call_args, call_kwargs))
+            warnings.warn(f"aotbuild: {self._coverage_message(call_args, call_kwargs)}; running eager", stacklevel=2)
+            self.last_variant = "eager"
+            return getattr(self._eager[0], self._spec.method)(*args, return_dict=return_dict, **kwargs)
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        if not return_dict:
+            return tuple(outputs)
+        module_name, class_name = self._spec.output_class.rsplit(".", 1)
+        return getattr(importlib.import_module(module_name), class_name)(sample=outputs[0])
+
+    def _coverage_message(self, args: tuple, kwargs: dict) -> str:
+        shapes = [f"{leaf_name(p)} {list(x.shape)}" for p, x in pytree.tree_flatten_with_path((args, kwargs))[0]
+                  if isinstance(x, torch.Tensor)]
+        covered = "; ".join(f"{_bucket_text(v.entry['bucket'])}" for v in self.variants)
+        return (f"{self.component_name}: no compiled variant for inputs {', '.join(shapes)}; "
+                f"this artifact covers (batch x height x width): {covered}")
+
+    def extra_repr(self) -> str:
+        return f"{self.component_name}, variants={[v.name for v in self.variants]}"
+
+
+def _bucket_text(bucket: dict[str, int]) -> str:
+    return f"{bucket['batch']}x{bucket['height']}x{bucket['width']}"
+
+
+def _set_dotted(root: Any, dotted: str, value: Any) -> None:
+    """root.a.b.c = value, creating plain namespaces for the missing parents."""
+    *parents, leaf = dotted.split(".")
+    node = root
+    for part in parents:
+        if not hasattr(node, part):
+            setattr(node, part, SimpleNamespace())
+        node = getattr(node, part)
+    setattr(node, leaf, value)
+
+
+def _load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.fspath(path), device=str(device))
+
+
+def load_components(folder: str | os.PathLike, *, device: str | torch.device | None = None,
+                    dtype: str | None = None, eager: dict[str, torch.nn.Module] | None = None,
+                    verify: bool = True) -> tuple[dict[str, Any], dict[str, CompiledComponent]]:
+    """Check an artifact and load its compiled components.
+
+    Args:
+        folder: the artifact folder.
+        device: where to run; defaults to the artifact's device type.
+        dtype: refuse the artifact unless it was built for this dtype.
+        eager: original modules by component name, used (with a warning) for uncovered shapes.
+        verify: check every file's sha256 before loading native code.
+
+    Returns:
+        (manifest, {pipeline attribute: CompiledComponent}).
+
+    Raises:
+        IncompatibleArtifactError, CorruptArtifactError.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    device = torch.device(device or manifest["environment"]["device_type"])
+    check_compatible(manifest, device=device.type, dtype=dtype)
+    if verify:
+        verify_files(folder, manifest)
+    modules = {}
+    for name, entry in manifest["components"].items():
+        weights = _load_weights(folder / entry["weights"], device)
+        variants = [CompiledVariant(folder / entry["package"], v, device, weights) for v in entry["variants"]]
+        modules[entry["attribute"]] = CompiledComponent(
+            name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants, weights, device,
+            eager=(eager or {}).get(name))
+    return manifest, modules
+
+
+def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False) -> Any:
+    """Swap an artifact's compiled components into a pipeline the user already has.
+
+    The pipeline's original modules of those components are released (unless `eager_fallback`,
+    which keeps them to run shapes no variant covers, with a warning).
+
+    Returns:
+        The same pipeline, modified in place.
+    """
+    manifest = read_manifest(Path(artifact))
+    if type(pipe).__name__ != manifest["target"]["pipeline"]:
+        raise AotbuildError(f"artifact is for {manifest['target']['pipeline']}, not {type(pipe).__name__}")
+    eager = None
+    if eager_fallback:
+        eager = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
+    device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
+    _, modules = load_components(artifact, device=device, eager=eager)
+    for attribute, module in modules.items():
+        setattr(pipe, attribute, module)
+    return pipe
+
+
+def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None) -> Any:
+    """Build the artifact's pipeline with its compiled components plugged in.
+
+    The original weights of compiled components are never loaded; the other components come from
+    the manifest's source (the Hub at the pinned revision, a local folder, or the artifact's own
+    config set with seeded random weights).
+
+    Raises:
+        IncompatibleArtifactError, CorruptArtifactError, SourceError.
+    """
+    from .sources import SOURCE_DIRNAME, is_random, pipeline_class, resolve_folder
+    from .sources import load_components as load_source_components
+
+    folder = Path(artifact)
+    manifest, modules = load_components(folder, device=device, dtype=dtype)
+    target = manifest["target"]
+    spec = pipeline_spec(target["pipeline"])
+    if is_random(target["source"]):
+        source_folder, seed = folder / SOURCE_DIRNAME, target["seed"]
+    else:
+        source_folder = resolve_folder(target["source"], target.get("revision"), folder, set(modules))
+        seed = None
+    others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
+    pipe = pipeline_class(spec)(**others, **modules)
+    return pipe.to(torch.device(device or manifest["environment"]["device_type"]))

@@ -1,0 +1,236 @@
+"""Targets: what to build, for which machine, at which shapes. Parsed from TOML once, validated once,
+then trusted; `Target.to_dict()` is the JSON form stored in the manifest and round-trips."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import TargetError
+from .pipelines import pipeline_spec
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+TOP_LEVEL_KEYS = (
+    "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
+    "guidance_scale", "shapes", "components", "optimize", "inductor",
+)
+REQUIRED_KEYS = ("name", "pipeline", "source", "device", "shapes", "components")
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class ShapeBucket:
+    """A static shape: images per prompt and pixel size. Guidance doubles the denoiser batch."""
+
+    batch: int
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.height}x{self.width}"
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    capability: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """A validated build target. Build with `aotbuild.build(target)`."""
+
+    name: str
+    pipeline: str
+    source: str
+    device: str
+    shapes: tuple[ShapeBucket, ...]
+    components: tuple[str, ...]
+    description: str = ""
+    revision: str | None = None
+    seed: int = 0
+    gpu: GpuSpec | None = None
+    dtype: str = "float32"
+    guidance_scale: float = 5.0
+    optimize: dict[str, Any] = field(default_factory=dict)
+    inductor: dict[str, Any] = field(default_factory=dict)
+    base_dir: Path = field(default=Path("."), compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved target as plain JSON data (no paths of this machine)."""
+        data = asdict(self)
+        data.pop("base_dir")
+        data["shapes"] = [asdict(s) for s in self.shapes]
+        data["components"] = list(self.components)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base_dir: Path = Path(".")) -> Target:
+        """Inverse of `to_dict` (validates again)."""
+        raw = dict(data)
+        raw["components"] = {name: {} for name in raw.get("components", ())}
+        raw = {k: v for k, v in raw.items() if v is not None}
+        return parse_target(raw, origin="<manifest>", base_dir=base_dir)
+
+    def content_hash(self) -> str:
+        """sha256 of the canonical JSON form: two targets with the same hash build the same thing."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def default_targets_dir() -> Path:
+    """$AOTBUILD_TARGETS, else ./targets when present, else the targets shipped beside the package."""
+    env = os.environ.get("AOTBUILD_TARGETS")
+    if env:
+        return Path(env)
+    local = Path.cwd() / "targets"
+    if local.is_dir():
+        return local
+    return Path(__file__).resolve().parent.parent / "targets"
+
+
+def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None) -> Target:
+    """Load and validate a target by name (a file in `targets_dir`) or by path to a TOML file.
+
+    Raises:
+        TargetError: the file is missing or invalid; the message names the file and key.
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text)
+    if not (text.endswith(".toml") or path.is_file()):
+        directory = targets_dir or default_targets_dir()
+        path = directory / f"{text}.toml"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in directory.glob("*.toml"))) or "none"
+            raise TargetError(f"no target named {text!r} in {directory}; known: {known}")
+    if not path.is_file():
+        raise TargetError(f"target file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise TargetError(f"{path}: not valid TOML: {exc}") from None
+    target = parse_target(raw, origin=str(path), base_dir=path.parent)
+    if target.name != path.stem:
+        raise TargetError(f"{path}: key 'name' is {target.name!r} but the file is named {path.stem!r}")
+    return target
+
+
+def list_targets(targets_dir: Path | None = None) -> list[Target]:
+    """Every valid target in the folder, sorted by name (invalid files raise TargetError)."""
+    directory = targets_dir or default_targets_dir()
+    return [load_target(p) for p in sorted(directory.glob("*.toml"))]
+
+
+def _expect(origin: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TargetError(f"{origin}: key {key!r} must be {what}, got {value!r}")
+    return value
+
+
+def _choice(origin: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise TargetError(f"{origin}: key {key!r} is {value!r}; allowed: {', '.join(allowed)}")
+    return value
+
+
+def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
+    """Validate raw TOML data into a Target; every error names `origin` and the offending key."""
+    from .optimize import validate_optimize  # the pass registry validates its own keys
+    from .sources import pixel_stride
+
+    unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise TargetError(f"{origin}: unknown key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+    for key in REQUIRED_KEYS:
+        if key not in raw:
+            raise TargetError(f"{origin}: missing required key {key!r}")
+
+    name = _expect(origin, "name", raw["name"], str, "a string")
+    if not NAME_PATTERN.match(name):
+        raise TargetError(f"{origin}: key 'name' {name!r} must match {NAME_PATTERN.pattern}")
+    try:
+        spec = pipeline_spec(_expect(origin, "pipeline", raw["pipeline"], str, "a string"))
+    except TargetError as exc:
+        raise TargetError(f"{origin}: key 'pipeline': {exc}") from None
+    source = _expect(origin, "source", raw["source"], str, "a string")
+    device = _choice(origin, "device", raw["device"], DEVICES)
+    dtype = _choice(origin, "dtype", raw.get("dtype", "float32"), DTYPES)
+
+    gpu = None
+    if "gpu" in raw:
+        if device != "cuda":
+            raise TargetError(f"{origin}: key 'gpu' is only allowed with device = \"cuda\"")
+        table = _expect(origin, "gpu", raw["gpu"], dict, "a table {name, capability}")
+        extra = sorted(set(table) - {"name", "capability"})
+        if extra or not {"name", "capability"} <= set(table):
+            raise TargetError(f"{origin}: key 'gpu' needs exactly name and capability, got {sorted(table)}")
+        capability = str(table["capability"])
+        if not re.fullmatch(r"\d+\.\d+", capability):
+            raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
+        gpu = GpuSpec(name=str(table["name"]), capability=capability)
+    elif device == "cuda":
+        raise TargetError(f"{origin}: device = \"cuda\" needs key 'gpu' = {{ name = ..., capability = ... }}")
+
+    components = _expect(origin, "components", raw["components"], dict, "a table of component names")
+    if not components:
+        raise TargetError(f"{origin}: key 'components' is empty; known: {', '.join(spec.components)}")
+    for comp, options in components.items():
+        if comp not in spec.components:
+            raise TargetError(
+                f"{origin}: key 'components.{comp}': {spec.class_name} has no such component; "
+                f"allowed: {', '.join(spec.components)}"
+            )
+        if options:
+            raise TargetError(f"{origin}: key 'components.{comp}' takes no options yet, got {sorted(options)}")
+
+    revision = raw.get("revision")
+    if revision is not None:
+        _expect(origin, "revision", revision, str, "a string")
+    seed = _expect(origin, "seed", raw.get("seed", 0), int, "an integer")
+    guidance = raw.get("guidance_scale", 5.0)
+    guidance = float(_expect(origin, "guidance_scale", guidance, (int, float), "a number"))
+
+    stride = pixel_stride(spec, source, base_dir)
+    shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
+    if not shapes_raw:
+        raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
+    shapes: list[ShapeBucket] = []
+    for i, table in enumerate(shapes_raw):
+        where = f"shapes[{i}]"
+        _expect(origin, where, table, dict, "a table {batch, height, width}")
+        if set(table) != {"batch", "height", "width"}:
+            raise TargetError(f"{origin}: key {where!r} needs exactly batch, height, width; got {sorted(table)}")
+        for dim in ("batch", "height", "width"):
+            value = _expect(origin, f"{where}.{dim}", table[dim], int, "a positive integer")
+            if value <= 0:
+                raise TargetError(f"{origin}: key '{where}.{dim}' must be positive, got {value}")
+        for dim in ("height", "width"):
+            if table[dim] % stride:
+                raise TargetError(
+                    f"{origin}: key '{where}.{dim}' = {table[dim]} is not a multiple of {stride}, "
+                    f"the pixel stride of this model (VAE factor x UNet downsampling)"
+                )
+        bucket = ShapeBucket(**table)
+        if bucket in shapes:
+            raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
+        shapes.append(bucket)
+
+    optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
+    validate_optimize(optimize, origin=origin, device=device, gpu=gpu)
+    inductor = _expect(origin, "inductor", raw.get("inductor", {}), dict, "a table")
+    for key, value in inductor.items():
+        _expect(origin, f"inductor.{key}", value, (bool, int, float, str), "a boolean, number or string")
+
+    return Target(
+        name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
+        components=tuple(components), description=str(raw.get("description", "")),
+        revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance,
+        optimize=dict(optimize), inductor=dict(inductor), base_dir=base_dir,
+    )
