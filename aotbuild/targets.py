@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import TargetError
+from .errors import SourceError, TargetError
 from .pipelines import pipeline_spec
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -197,7 +197,10 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     guidance = raw.get("guidance_scale", 5.0)
     guidance = float(_expect(origin, "guidance_scale", guidance, (int, float), "a number"))
 
-    stride = pixel_stride(spec, source, base_dir)
+    try:
+        stride = pixel_stride(spec, source, base_dir)
+    except SourceError as exc:
+        raise TargetError(f"{origin}: key 'source': {exc}") from None
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")

@@ -1,0 +1,56 @@
+"""Shared fixtures. The tiny SDXL target is built once per test session (AOTInductor on 2 cores takes
+a minute or two) into a temporary folder; tests that need a modified artifact copy it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = ROOT / "targets"
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from aotbuild.targets import load_target
+
+    return load_target(TARGETS / "cpu-tiny-sdxl.toml")
+
+
+def eager_pipeline(target, seed: int | None = None):
+    """The target's pipeline, uncompiled, float32 (optionally from another seed)."""
+    import dataclasses
+
+    from aotbuild.builder import _load_pipeline
+    from aotbuild.pipelines import pipeline_spec
+
+    if seed is not None:
+        target = dataclasses.replace(target, seed=seed)
+    return _load_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
+
+
+def generate(pipe, bucket, steps: int = 2, seed: int = 0):
+    return pipe("a red fox in the snow", num_inference_steps=steps, height=bucket.height, width=bucket.width,
+                num_images_per_prompt=bucket.batch, guidance_scale=5.0, output_type="np",
+                generator=torch.Generator("cpu").manual_seed(seed)).images
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, tiny_target):
+    """The tiny target built once: folder, manifest and the progress messages of the build."""
+    from aotbuild.builder import build
+
+    artifacts = tmp_path_factory.mktemp("session") / "artifacts"
+    messages: list[tuple[str, str]] = []
+    result = build(tiny_target, artifacts, progress=lambda stage, msg: messages.append((stage, msg)))
+    return SimpleNamespace(folder=result.folder, artifacts=artifacts, manifest=result.manifest, progress=messages)
+
+
+@pytest.fixture
+def artifact_copy(built, tmp_path) -> Path:
+    """A private copy of the session artifact, free to damage."""
+    return Path(shutil.copytree(built.folder, tmp_path / built.folder.name))

@@ -1,0 +1,60 @@
+"""Capture records what the real pipeline passes and leaves the modules exactly as it found them."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from aotbuild.capture import capture_inputs, recording
+from aotbuild.pipelines import pipeline_spec
+
+from .conftest import eager_pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_target):
+    return eager_pipeline(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def specs():
+    spec = pipeline_spec("StableDiffusionXLPipeline")
+    return [spec.component("unet"), spec.component("vae_decoder")]
+
+
+def test_records_real_calls_with_guidance_doubling_batch(pipe, specs):
+    calls = capture_inputs(pipe, specs, batch=2, height=64, width=96, guidance_scale=5.0)
+    unet = calls["unet"]
+    sample, timestep = unet.args[:2]
+    assert sample.shape == (4, 4, 32, 48)  # 2 images x classifier-free guidance, latents = pixels / 2
+    assert timestep.ndim == 0
+    assert set(unet.kwargs["added_cond_kwargs"]) == {"text_embeds", "time_ids"}
+    assert unet.kwargs["added_cond_kwargs"]["time_ids"].shape == (4, 6)
+    assert unet.kwargs["return_dict"] is False
+    assert unet.output.shape == sample.shape
+    vae = calls["vae_decoder"]
+    assert vae.kwargs == {} and vae.args[0].shape == (2, 4, 32, 48)
+    assert vae.output.shape == (2, 3, 64, 96)
+
+
+def test_without_guidance_batch_is_not_doubled(pipe, specs):
+    calls = capture_inputs(pipe, specs, batch=1, height=64, width=64, guidance_scale=1.0)
+    assert calls["unet"].args[0].shape[0] == 1
+
+
+def test_recording_restores_modules_even_on_error(pipe, specs):
+    before = inspect.signature(pipe.unet.forward)
+    with pytest.raises(RuntimeError, match="boom"), recording(pipe, specs):
+        assert "forward" in vars(pipe.unet) and "decode" in vars(pipe.vae)
+        assert inspect.signature(pipe.unet.forward) == before  # wraps keep the signature
+        raise RuntimeError("boom")
+    assert "forward" not in vars(pipe.unet) and "decode" not in vars(pipe.vae)
+    assert inspect.signature(pipe.unet.forward) == before
+
+
+def test_captured_tensors_are_copies(pipe, specs):
+    calls = capture_inputs(pipe, specs, batch=1, height=64, width=64, guidance_scale=5.0)
+    sample = calls["unet"].args[0]
+    assert not sample.requires_grad and sample.is_contiguous() and sample.dtype == torch.float32

@@ -1,0 +1,231 @@
+"""Build -> package -> load -> generate on the tiny SDXL target, for real (AOTInductor on CPU)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import weakref
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import aotbuild
+from aotbuild.builder import build, is_fresh
+from aotbuild.errors import CorruptArtifactError, IncompatibleArtifactError, ShapeNotSupportedError
+from aotbuild.manifest import read_manifest, sha256_file, verify_files
+from aotbuild.runtime import CompiledComponent, load_components
+from aotbuild.targets import ShapeBucket
+
+from .conftest import ROOT, TARGETS, eager_pipeline, generate
+
+pytestmark = pytest.mark.slow
+
+IMAGE_ATOL = 1e-4  # images are in [0, 1]; fp32 compiled vs eager differ by ~1e-6
+
+
+def test_build_writes_complete_artifact(built, tiny_target):
+    names = sorted(p.name for p in built.folder.iterdir())
+    assert names == ["manifest.json", "source", "unet.pt2", "unet.safetensors",
+                     "vae_decoder.pt2", "vae_decoder.safetensors"]
+    m = read_manifest(built.folder)
+    assert m["target"] == tiny_target.to_dict() and m["target_hash"] == tiny_target.content_hash()
+    assert m["source"] == {"id": "random:tiny-sdxl", "revision": None, "seed": 0}
+    env = m["environment"]
+    assert env["torch"] == torch.__version__ and env["torch_git"] == torch.version.git_version
+    assert env["cpu_isa"] == torch.backends.cpu.get_cpu_capability() and env["device_type"] == "cpu"
+    for stage in ("load", "capture", "optimize", "export", "compile", "package", "validate"):
+        assert m["timings"][stage] >= 0
+        assert any(s == stage for s, _ in built.progress)
+    for name in ("unet", "vae_decoder"):
+        entry = m["components"][name]
+        assert [v["name"] for v in entry["variants"]] == ["b1_64x64", "b2_64x96"]
+        for variant in entry["variants"]:
+            assert variant["numerics"]["max_rel_error"] <= variant["numerics"]["tolerance"] == 1e-3
+            assert all("shape" in i or "value" in i for i in variant["inputs"])
+        assert entry["constants"]["count"] > 0
+    unet_inputs = {i["path"]: i for i in m["components"]["unet"]["variants"][1]["inputs"]}
+    assert unet_inputs["args[0]"]["shape"] == [4, 4, 32, 48]
+    assert unet_inputs["added_cond_kwargs.time_ids"]["shape"] == [4, 6]
+    for rel, entry in m["files"].items():
+        assert sha256_file(built.folder / rel) == entry["sha256"]
+
+
+def test_packages_hold_no_weights(built):
+    from safetensors.torch import load_file
+
+    for name in ("unet", "vae_decoder"):
+        weights = load_file(built.folder / f"{name}.safetensors")
+        package = b"".join(zipfile.ZipFile(built.folder / f"{name}.pt2").read(i) for i in
+                           zipfile.ZipFile(built.folder / f"{name}.pt2").namelist())
+        largest = max(weights.values(), key=lambda t: t.numel())
+        assert largest.numpy().tobytes()[:256] not in package
+        assert not any("constants" in n or n.endswith(".bin") for n in zipfile.ZipFile(built.folder / f"{name}.pt2").namelist())
+
+
+@pytest.mark.parametrize("bucket", [ShapeBucket(1, 64, 64), ShapeBucket(2, 64, 96)], ids=str)
+def test_compiled_pipeline_matches_eager(built, tiny_target, bucket):
+    expected = generate(eager_pipeline(tiny_target), bucket)
+    pipe = aotbuild.load_pipeline(built.folder)
+    images = generate(pipe, bucket)
+    assert pipe.unet.last_variant == pipe.vae.last_variant == f"b{bucket.batch}_{bucket.height}x{bucket.width}"
+    assert images.shape == (bucket.batch, bucket.height, bucket.width, 3)
+    np.testing.assert_allclose(images, expected, atol=IMAGE_ATOL, rtol=0)
+
+
+def test_load_pipeline_never_materialises_compiled_weights(built):
+    pipe = aotbuild.load_pipeline(built.folder)
+    for module in (pipe.unet, pipe.vae):
+        assert isinstance(module, CompiledComponent)
+        assert list(module.parameters()) == [] and list(module.buffers()) == []
+    # what StableDiffusionXLPipeline reads from them
+    assert pipe.unet.config.in_channels == 4 and pipe.unet.config.sample_size == 32
+    assert pipe.unet.config.time_cond_proj_dim is None and pipe.unet.config.addition_time_embed_dim == 8
+    assert pipe.unet.add_embedding.linear_1.in_features == 80
+    assert pipe.vae.config.scaling_factor == 0.13025 and pipe.vae.config.force_upcast is True
+    assert pipe.vae_scale_factor == 2
+    assert pipe.unet.dtype == pipe.vae.dtype == torch.float32 and pipe.device.type == "cpu"
+
+
+def test_apply_swaps_in_compiled_modules_and_frees_originals(built, tiny_target):
+    pipe = eager_pipeline(tiny_target)
+    bucket = ShapeBucket(1, 64, 64)
+    expected = generate(pipe, bucket)
+    unet_ref = weakref.ref(pipe.unet)
+    weight_ref = weakref.ref(pipe.unet.conv_in.weight)
+    aotbuild.apply(pipe, built.folder)
+    gc.collect()
+    assert unet_ref() is None and weight_ref() is None
+    assert isinstance(pipe.unet, CompiledComponent) and isinstance(pipe.vae, CompiledComponent)
+    np.testing.assert_allclose(generate(pipe, bucket), expected, atol=IMAGE_ATOL, rtol=0)
+
+
+def _replace_weights(folder, pipe):
+    """Write `pipe`'s weights into the artifact under the exported FQNs."""
+    from safetensors.torch import save_file
+
+    from aotbuild.pipelines import VaeDecoderModule
+
+    save_file({k: v.contiguous() for k, v in pipe.unet.state_dict().items()}, folder / "unet.safetensors")
+    save_file({k: v.contiguous() for k, v in VaeDecoderModule(pipe.vae).state_dict().items()},
+              folder / "vae_decoder.safetensors")
+
+
+def test_weights_are_really_bound_at_load(artifact_copy, tiny_target):
+    """Other-seed weights in the same package reproduce the other seed's eager output."""
+    from aotbuild.capture import capture_inputs
+    from aotbuild.pipelines import pipeline_spec
+
+    other = eager_pipeline(tiny_target, seed=1)
+    original = eager_pipeline(tiny_target)
+    _replace_weights(artifact_copy, other)
+    _, modules = load_components(artifact_copy, verify=False)
+    specs = [pipeline_spec(tiny_target.pipeline).component(n) for n in ("unet", "vae_decoder")]
+    calls = capture_inputs(other, specs, batch=1, height=64, width=64, guidance_scale=5.0)
+    for spec in specs:
+        call = calls[spec.name]
+        compiled = modules[spec.attribute]
+        if spec.name == "unet":
+            out = compiled(*call.args, **call.kwargs)[0]
+            theirs = original.unet(*call.args, **call.kwargs)[0]
+        else:
+            out = compiled.decode(*call.args, return_dict=False)[0]
+            theirs = original.vae.decode(*call.args, return_dict=False)[0]
+        torch.testing.assert_close(out, call.output, atol=1e-4, rtol=1e-4)
+        assert (out - theirs).abs().max() > 1e-2  # the seed-0 weights would give something else
+
+
+def test_uncovered_shape_is_a_clear_error(built):
+    pipe = aotbuild.load_pipeline(built.folder)
+    with pytest.raises(ShapeNotSupportedError, match=r"unet: no compiled variant for inputs args\[0\] \[2, 4, 16, 16\]"
+                       r".*covers \(batch x height x width\): 1x64x64; 2x64x96"):
+        generate(pipe, ShapeBucket(1, 32, 32))
+
+
+def test_eager_fallback_only_when_asked(built, tiny_target):
+    pipe = aotbuild.apply(eager_pipeline(tiny_target), built.folder, eager_fallback=True)
+    expected = generate(eager_pipeline(tiny_target), ShapeBucket(1, 32, 32))
+    with pytest.warns(UserWarning, match="no compiled variant.*running eager"):
+        images = generate(pipe, ShapeBucket(1, 32, 32))
+    assert pipe.unet.last_variant == "eager"
+    np.testing.assert_allclose(images, expected, atol=IMAGE_ATOL, rtol=0)
+
+
+def test_flipped_byte_is_refused(artifact_copy):
+    path = artifact_copy / "unet.pt2"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptArtifactError, match=r"unet.pt2: sha256 is [0-9a-f]{64}, the manifest says"):
+        aotbuild.load_pipeline(artifact_copy)
+
+
+def test_missing_file_is_refused(artifact_copy):
+    (artifact_copy / "vae_decoder.safetensors").unlink()
+    with pytest.raises(CorruptArtifactError, match="vae_decoder.safetensors is missing"):
+        verify_files(artifact_copy, read_manifest(artifact_copy))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("torch", "2.99.0+cu999", r"torch is '2.99.0\+cu999' in the artifact, '2.13.0\+cpu' here"),
+    ("device_type", "cuda", r"device_type is 'cuda' in the artifact"),
+    ("platform", "linux-aarch64", r"platform is 'linux-aarch64' in the artifact"),
+    ("cpu_isa", "AMX", r"cpu_isa is 'AMX' in the artifact"),
+])
+def test_incompatible_environment_is_refused(artifact_copy, field, value, message):
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    manifest["environment"][field] = value
+    (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IncompatibleArtifactError, match=message) as info:
+        aotbuild.load_pipeline(artifact_copy)
+    assert info.value.field == field
+
+
+def test_wrong_dtype_or_device_is_refused(built):
+    with pytest.raises(IncompatibleArtifactError, match="dtype is 'float32' in the artifact, 'bfloat16' here"):
+        aotbuild.load_pipeline(built.folder, dtype="bfloat16")
+    with pytest.raises(IncompatibleArtifactError, match="device_type is 'cpu' in the artifact, 'cuda' here"):
+        load_components(built.folder, device="cuda")
+
+
+def test_second_build_is_skipped_and_a_changed_target_is_not_fresh(built, tiny_target):
+    import dataclasses
+
+    before = sha256_file(built.folder / "manifest.json")
+    messages = []
+    result = build(tiny_target, built.artifacts, progress=lambda s, m: messages.append(s))
+    assert result.skipped and messages == ["fresh"]
+    assert sha256_file(built.folder / "manifest.json") == before
+    assert not is_fresh(built.folder, dataclasses.replace(tiny_target, guidance_scale=7.0))
+
+
+def test_killed_build_leaves_previous_artifact(built, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    manifest = read_manifest(artifacts / built.folder.name)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "aotbuild.cli", "build", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+         "--artifacts", str(artifacts), "--force"],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 300
+    for line in process.stderr:  # kill it mid-compile, after it has written into its staging folder
+        if "[  compile]" in line or time.monotonic() > deadline:
+            break
+    time.sleep(2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert sorted(p.name for p in artifacts.iterdir()) == [built.folder.name]
+    verify_files(artifacts / built.folder.name, manifest)
+    staging = tmp_path / ".artifacts-staging"
+    assert [p.name.split("-")[0] for p in staging.iterdir()] == [str(process.pid)]
+    from aotbuild.builder import _remove_stale_staging
+
+    _remove_stale_staging(staging)  # the next build does this first
+    assert list(staging.iterdir()) == []

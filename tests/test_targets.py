@@ -1,0 +1,107 @@
+"""Target parsing and validation: every kind of bad input is a TargetError naming file and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from aotbuild.cli import main
+from aotbuild.errors import TargetError
+from aotbuild.targets import Target, list_targets, load_target
+
+from .conftest import TARGETS
+
+GOOD = """
+name = "t"
+pipeline = "StableDiffusionXLPipeline"
+source = "random:tiny-sdxl"
+device = "cpu"
+[[shapes]]
+batch = 1
+height = 64
+width = 64
+[components]
+unet = {}
+"""
+
+
+def write_target(tmp_path: Path, text: str, name: str = "t") -> Path:
+    (tmp_path / "configs").mkdir(exist_ok=True)
+    link = tmp_path / "configs" / "tiny-sdxl"
+    if not link.exists():
+        link.symlink_to(TARGETS / "configs" / "tiny-sdxl")
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_targets_parse_and_list():
+    targets = {t.name: t for t in list_targets(TARGETS)}
+    assert {"cpu-tiny-sdxl", "h100-sdxl"} <= set(targets)
+    h100 = targets["h100-sdxl"]
+    assert h100.device == "cuda" and h100.gpu.capability == "9.0" and h100.dtype == "bfloat16"
+    assert len(h100.revision) == 40 and int(h100.revision, 16) >= 0
+    assert [str(s) for s in h100.shapes] == ["1x1024x1024", "1x768x1344"]
+    tiny = targets["cpu-tiny-sdxl"]
+    assert len(tiny.shapes) >= 2 and tiny.components == ("unet", "vae_decoder")
+
+
+def test_round_trip_through_dict():
+    target = load_target(TARGETS / "h100-sdxl.toml")
+    again = Target.from_dict(target.to_dict(), base_dir=target.base_dir)
+    assert again == target and again.content_hash() == target.content_hash()
+
+
+def test_lookup_by_name_lists_known(tmp_path):
+    write_target(tmp_path, GOOD)
+    assert load_target("t", targets_dir=tmp_path).name == "t"
+    with pytest.raises(TargetError, match=r"no target named 'nope'.*known: t"):
+        load_target("nope", targets_dir=tmp_path)
+
+
+BAD = [
+    ('colour = "red"\n' + GOOD, r"unknown key 'colour'; allowed: name, description"),
+    (GOOD.replace('pipeline = "StableDiffusionXLPipeline"\n', ""), r"missing required key 'pipeline'"),
+    (GOOD.replace("height = 64", "height = 66"), r"'shapes\[0\].height' = 66 is not a multiple of 4"),
+    (GOOD.replace("height = 64", "height = 0"), r"'shapes\[0\].height' must be positive"),
+    (GOOD.replace("unet = {}", "text_encoder = {}"), r"components.text_encoder.*allowed: unet, vae_decoder"),
+    (GOOD.replace("StableDiffusionXLPipeline", "FooPipeline"), r"'FooPipeline' is not supported; supported: Stable"),
+    (GOOD.replace('device = "cpu"', 'device = "cpu"\ngpu = { name = "H100", capability = "9.0" }'),
+     r"'gpu' is only allowed with device = \"cuda\""),
+    (GOOD.replace('device = "cpu"', 'device = "cuda"'), r"needs key 'gpu'"),
+    (GOOD.replace('device = "cpu"', 'device = "tpu"'), r"'device' is 'tpu'; allowed: cpu, cuda"),
+    (GOOD.replace('device = "cpu"', 'device = "cpu"\ndtype = "int3"'), r"'dtype' is 'int3'; allowed: float32"),
+    (GOOD + "[optimize]\nturbo = true\n", r"unknown key 'optimize.turbo'; known passes: tf32, sdpa, fuse_qkv"),
+    (GOOD + '[optimize]\nsdpa = "flash"\n', r"optimize.sdpa = 'flash' needs CUDA"),
+    (GOOD + "[optimize]\nfuse_qkv = 1\n", r"optimize.fuse_qkv must be true or false"),
+    (GOOD.replace('source = "random:tiny-sdxl"', 'source = "random:nothing"'), r"key 'source': random source 'random:nothing': no config set at .*nothing"),
+    (GOOD + "[[shapes]]\nbatch = 1\nheight = 64\nwidth = 64\n", r"'shapes\[1\]' repeats bucket 1x64x64"),
+    (GOOD.replace('name = "t"', 'name = "other"'), r"key 'name' is 'other' but the file is named 't'"),
+    ("name = [", r"not valid TOML"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD, ids=[m.split("'")[1] if "'" in m else m[:20] for _, m in BAD])
+def test_bad_target_is_target_error(tmp_path, text, message):
+    path = write_target(tmp_path, text)
+    with pytest.raises(TargetError, match=message) as info:
+        load_target(path)
+    assert str(path) in str(info.value)
+
+
+def test_cli_reports_target_error_in_one_line(tmp_path):
+    path = write_target(tmp_path, 'colour = "red"\n' + GOOD)
+    result = CliRunner().invoke(main, ["build", "--target", str(path)])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: ") and "unknown key 'colour'" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_targets_lists_one_line_each():
+    result = CliRunner().invoke(main, ["targets", "--dir", str(TARGETS)])
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines()}
+    assert "shapes=1x64x64,2x64x96" in lines["cpu-tiny-sdxl"] and "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
+    assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
