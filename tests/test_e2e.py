@@ -63,11 +63,11 @@ def test_packages_hold_no_weights(built):
 
     for name in ("unet", "vae_decoder"):
         weights = load_file(built.folder / f"{name}.safetensors")
-        package = b"".join(zipfile.ZipFile(built.folder / f"{name}.pt2").read(i) for i in
-                           zipfile.ZipFile(built.folder / f"{name}.pt2").namelist())
+        archive = zipfile.ZipFile(built.folder / f"{name}.pt2")
+        package = b"".join(archive.read(member) for member in archive.namelist())
         largest = max(weights.values(), key=lambda t: t.numel())
         assert largest.numpy().tobytes()[:256] not in package
-        assert not any("constants" in n or n.endswith(".bin") for n in zipfile.ZipFile(built.folder / f"{name}.pt2").namelist())
+        assert not any("constants" in n or n.endswith(".bin") for n in archive.namelist())
 
 
 @pytest.mark.parametrize("bucket", [ShapeBucket(1, 64, 64), ShapeBucket(2, 64, 96)], ids=str)

@@ -76,7 +76,8 @@ BAD = [
     (GOOD + "[optimize]\nturbo = true\n", r"unknown key 'optimize.turbo'; known passes: tf32, sdpa, fuse_qkv"),
     (GOOD + '[optimize]\nsdpa = "flash"\n', r"optimize.sdpa = 'flash' needs CUDA"),
     (GOOD + "[optimize]\nfuse_qkv = 1\n", r"optimize.fuse_qkv must be true or false"),
-    (GOOD.replace('source = "random:tiny-sdxl"', 'source = "random:nothing"'), r"key 'source': random source 'random:nothing': no config set at .*nothing"),
+    (GOOD.replace('source = "random:tiny-sdxl"', 'source = "random:nothing"'),
+     r"key 'source': random source 'random:nothing': no config set at .*nothing"),
     (GOOD + "[[shapes]]\nbatch = 1\nheight = 64\nwidth = 64\n", r"'shapes\[1\]' repeats bucket 1x64x64"),
     (GOOD.replace('name = "t"', 'name = "other"'), r"key 'name' is 'other' but the file is named 't'"),
     ("name = [", r"not valid TOML"),
@@ -103,5 +104,6 @@ def test_cli_targets_lists_one_line_each():
     result = CliRunner().invoke(main, ["targets", "--dir", str(TARGETS)])
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines()}
-    assert "shapes=1x64x64,2x64x96" in lines["cpu-tiny-sdxl"] and "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
+    assert "shapes=1x64x64,2x64x96" in lines["cpu-tiny-sdxl"]
+    assert "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
     assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
