@@ -1,0 +1,74 @@
+"""The CLI on the session artifact: inspect, verify, run; errors are one line and an exit code."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from aotbuild.cli import main
+
+from .conftest import TARGETS
+
+pytestmark = pytest.mark.slow
+TINY = str(TARGETS / "cpu-tiny-sdxl.toml")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_inspect_shows_variants_files_and_numerics(built):
+    result = invoke("inspect", str(built.folder))
+    assert result.exit_code == 0
+    for text in ("cpu-tiny-sdxl", "StableDiffusionXLPipeline", "random:tiny-sdxl seed=0", "b1_64x64",
+                 "batch 2, 64x96 px", "rel.err", "unet.pt2", "vae_decoder.safetensors", "compile"):
+        assert text in result.output
+    as_json = invoke("inspect", "--json", str(built.folder))
+    assert '"target_hash"' in as_json.output
+
+
+def test_verify_passes_then_fails_on_a_damaged_file(artifact_copy):
+    assert invoke("verify", str(artifact_copy)).exit_code == 0
+    with open(artifact_copy / "vae_decoder.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    result = invoke("verify", str(artifact_copy))
+    assert result.exit_code == 1
+    assert result.output.startswith("error: ") and "vae_decoder.safetensors: sha256" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_verify_on_a_folder_without_manifest(tmp_path):
+    result = invoke("verify", str(tmp_path))
+    assert result.exit_code == 1 and "manifest.json is missing" in result.output
+    assert "hint: build it first" in result.output
+
+
+@pytest.mark.parametrize("backend", ["aot", "eager"])
+def test_run_writes_images_and_prints_timings(built, tmp_path, backend):
+    out = tmp_path / "fox.png"
+    result = invoke("run", "--target", TINY, "--artifacts", str(built.artifacts), "--backend", backend,
+                    "--prompt", "a red fox", "--steps", "2", "--batch", "2", "--height", "64", "--width", "96",
+                    "--output", str(out))
+    assert result.exit_code == 0, result.output
+    assert f"backend={backend} load=" in result.output and "first_step=" in result.output
+    for i in range(2):
+        image = Image.open(tmp_path / f"fox-{i}.png")
+        assert image.size == (96, 64)
+
+
+def test_run_without_artifact_says_how_to_build(tmp_path):
+    result = CliRunner().invoke(main, ["run", "--target", TINY, "--artifacts", str(tmp_path), "--prompt", "x"])
+    assert result.exit_code == 1
+    assert "no artifact at" in result.output and "hint: build it first: aotbuild build --target cpu-tiny-sdxl" \
+        in result.output
+
+
+def test_run_at_an_uncovered_shape_is_one_line(built):
+    result = CliRunner().invoke(main, ["run", "--target", TINY, "--artifacts", str(built.artifacts),
+                                       "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32"])
+    assert result.exit_code == 1 and "covers (batch x height x width): 1x64x64; 2x64x96" in result.output
+    assert "Traceback" not in result.output
