@@ -28,18 +28,19 @@ def prepare(target: Target, backend: str, artifacts_dir: Path) -> Any:
                                 hint=f"build it first: aotbuild build --target {target.name}")
         pipe = load_pipeline(folder)
     elif backend in ("eager", "compile"):
-        from .builder import _load_pipeline, _optimize
+        from .builder import _load_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec
 
         spec = pipeline_spec(target.pipeline)
         pipe = _load_pipeline(target, spec, torch.device(target.device))
         specs = [spec.component(name) for name in target.components]
-        modules = {s.name: getattr(pipe, s.attribute) for s in specs}
-        _optimize(modules, target)
+        optimize_pipeline(pipe, specs, target)
         if backend == "compile":
-            from .export import inductor_options
+            from .export import WEIGHTLESS_OPTIONS, inductor_options
+            from .optimize import inductor_flags
 
-            options = {k: v for k, v in inductor_options(target.inductor).items() if not k.startswith("aot_inductor.")}
+            all_options = inductor_options(target.inductor, inductor_flags(target.optimize))
+            options = {k: v for k, v in all_options.items() if k not in WEIGHTLESS_OPTIONS}
             for s in specs:
                 module = getattr(pipe, s.attribute)
                 compiled = torch.compile(getattr(module, s.method), options=options)

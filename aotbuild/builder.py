@@ -132,19 +132,21 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     spec = pipeline_spec(target.pipeline)
     specs = [spec.component(name) for name in target.components]
     device = torch.device(target.device)
-    inductor_options = export.inductor_options(target.inductor)
+    inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize))
 
     with stages("load", f"{target.pipeline} from {target.source}"):
         pipe = _load_pipeline(target, spec, device)
     with stages("capture", "eager float32 reference"):
         reference = _capture_all(pipe, specs, target, stages.progress)
-    modules = {s.name: getattr(pipe, s.attribute) for s in specs}
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
-        records = _optimize(modules, target)
+        modules, records = optimize_pipeline(pipe, specs, target)
     examples = reference
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
             examples = _capture_all(pipe, specs, target, stages.progress)
+        examples = {bucket: {name: capture.CapturedCall(*optimize.adapt_example_inputs(
+                        target.optimize, (call.args, call.kwargs)), call.output) for name, call in calls.items()}
+                    for bucket, calls in examples.items()}
 
     components = {
         s.name: _build_component(s, modules[s.name], target, examples, records["dtype"][s.name],
@@ -203,6 +205,7 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
     for i, (name, program) in enumerate(programs.items(), 1):
         with stages("compile", f"{spec.name} {name} ({i}/{len(programs)}, AOTInductor)"):
             compiled[name] = export.compile_variant(program, inductor_options)
+    custom_ops = sorted({ns for files in compiled.values() for ns in export.custom_ops_called(files)})
     package_file, weights_file = f"{spec.name}.pt2", f"{spec.name}.safetensors"
     with stages("package", f"{package_file} + {weights_file}"):
         constants = _write_package(out, package_file, weights_file, compiled, programs)
@@ -210,6 +213,7 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
         "attribute": spec.attribute, "method": spec.method,
         "package": package_file, "weights": weights_file,
         "dtype": dtype,
+        "custom_ops": custom_ops,
         "config": dict(module.config),
         "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values())},
@@ -230,12 +234,19 @@ def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> 
     return pipe.to(device)
 
 
-def _optimize(modules: dict[str, torch.nn.Module], target: Target) -> dict[str, Any]:
+def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> tuple[dict, dict[str, Any]]:
+    """Apply the target's dtype and passes: the compiled modules get the passes, the other models
+    (text encoders) the dtype, as a served pipeline would have them. Returns (modules, records)."""
+    modules = {s.name: getattr(pipe, s.attribute) for s in specs}
+    compiled_ids = {id(m) for m in modules.values()}
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module) and id(component) not in compiled_ids:
+            component.to(optimize.DTYPES[target.dtype])
     force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in modules.items()}
     dtypes = optimize.apply_dtype(modules, target.dtype, force_upcast)
     passes = optimize.apply_passes(modules, target.optimize, target.device)
-    return {"dtype": dtypes, "passes": passes,
-            "changes_inputs": any(d != "float32" for d in dtypes.values()) or bool(target.optimize)}
+    changes_inputs = any(d != "float32" for d in dtypes.values()) or bool(target.optimize)
+    return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}
 
 
 def _write_package(out: Path, package_file: str, weights_file: str, compiled: dict[str, list],
@@ -257,7 +268,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, device: torc
     failures = []
     for name, entry in manifest["components"].items():
         weights = _load_weights(out / entry["weights"], device)
-        tolerance = TOLERANCES[entry["dtype"]]
+        tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         for variant_entry in entry["variants"]:
             bucket = ShapeBucket(**variant_entry["bucket"])
             call = reference[bucket][name]

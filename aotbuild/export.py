@@ -25,17 +25,55 @@ WEIGHTLESS_OPTIONS: dict[str, Any] = {
 }
 
 
-def inductor_options(target_options: dict[str, Any]) -> dict[str, Any]:
-    """The full per-compile option dict; unknown inductor keys are refused by name."""
+# `[inductor] profile = NAME` expands to these; explicit keys in the target override them.
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {},
+    # diffusion-fast's flags: autotuned GEMM/conv choices, 1x1 convs as matmuls, no epilogue fusion.
+    "max-autotune": {
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+        "coordinate_descent_check_all_directions": True,
+        "conv_1x1_as_mm": True,
+        "epilogue_fusion": False,
+    },
+}
+
+
+def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full per-compile option dict: profile, then the passes' flags, then the target's explicit
+    keys, then the weight-less packaging options. Unknown inductor keys are refused by name."""
     from torch._inductor import config as inductor_config
 
+    explicit = {k: v for k, v in target_options.items() if k != "profile"}
     known = set(inductor_config.get_config_copy())
-    for key in target_options:
+    for key in explicit:
         if key not in known:
             raise BuildError(f"[inductor] key {key!r} is not an inductor config option of torch {torch.__version__}")
         if key in WEIGHTLESS_OPTIONS:
             raise BuildError(f"[inductor] key {key!r} is set by aotbuild to keep packages weight-less")
-    return {**target_options, **WEIGHTLESS_OPTIONS}
+    profile = PROFILES[target_options.get("profile", "default")]
+    return {**profile, **(pass_flags or {}), **explicit, **WEIGHTLESS_OPTIONS}
+
+
+def custom_ops_called(files: list) -> list[str]:
+    """Namespaces of non-aten operators the compiled code calls back into Python for (the proxy
+    executor's op list), e.g. ["torchao"]: the runtime must import that library first."""
+    import json
+
+    namespaces = set()
+    for path in files:
+        if isinstance(path, str) and path.endswith(".json") and not path.endswith("_metadata.json"):
+            try:
+                nodes = json.loads(Path(path).read_text()).get("nodes", [])
+            except (ValueError, AttributeError):
+                continue
+            for node in nodes:
+                target = node.get("node", {}).get("target", "")
+                if "::" in target or "." in target:
+                    namespace = target.replace("::", ".").split(".")[0]
+                    if namespace not in ("aten", "prims", "_operator"):
+                        namespaces.add(namespace)
+    return sorted(namespaces)
 
 
 def export_variant(module: torch.nn.Module, args: tuple, kwargs: dict,

@@ -99,8 +99,9 @@ class CompiledVariant:
             if isinstance(leaf, torch.Tensor):
                 want = DTYPES.get(expected["dtype"], leaf.dtype) if leaf.is_floating_point() else leaf.dtype
                 leaf = leaf.to(device=device, dtype=want)
-                if list(leaf.stride()) != expected["stride"]:
-                    leaf = leaf.contiguous()
+                if list(leaf.stride()) != expected["stride"]:  # e.g. NHWC for a channels_last build
+                    leaf = torch.empty_strided(expected["shape"], expected["stride"], dtype=want,
+                                               device=device).copy_(leaf)
                 tensors.append(leaf)
         return pytree.tree_unflatten(self.loader.boxed_run(tensors), self.out_spec)
 
@@ -185,6 +186,16 @@ def _set_dotted(root: Any, dotted: str, value: Any) -> None:
     setattr(node, leaf, value)
 
 
+def _import_custom_ops(namespaces: list[str]) -> None:
+    """Register the operators compiled code calls back into (only for artifacts that need them)."""
+    for namespace in namespaces:
+        try:
+            importlib.import_module(namespace)
+        except ImportError:
+            raise AotbuildError(f"this artifact's compiled code calls {namespace} operators, and {namespace} "
+                                f"is not installed", hint=f"pip install {namespace}") from None
+
+
 def _load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -217,6 +228,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         verify_files(folder, manifest)
     modules = {}
     for name, entry in manifest["components"].items():
+        _import_custom_ops(entry.get("custom_ops", []))
         weights = _load_weights(folder / entry["weights"], device)
         variants = [CompiledVariant(folder / entry["package"], v, device, weights) for v in entry["variants"]]
         modules[entry["attribute"]] = CompiledComponent(

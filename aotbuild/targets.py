@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SourceError, TargetError
+from .export import PROFILES
 from .pipelines import pipeline_spec
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -125,7 +126,7 @@ def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None
 def list_targets(targets_dir: Path | None = None) -> list[Target]:
     """Every valid target in the folder, sorted by name (invalid files raise TargetError)."""
     directory = targets_dir or default_targets_dir()
-    return [load_target(p) for p in sorted(directory.glob("*.toml"))]
+    return [load_target(p) for p in sorted(directory.glob("*.toml"), key=lambda p: p.stem)]
 
 
 def _expect(origin: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -230,6 +231,9 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     inductor = _expect(origin, "inductor", raw.get("inductor", {}), dict, "a table")
     for key, value in inductor.items():
         _expect(origin, f"inductor.{key}", value, (bool, int, float, str), "a boolean, number or string")
+    if inductor.get("profile", "default") not in PROFILES:
+        raise TargetError(f"{origin}: key 'inductor.profile' is {inductor['profile']!r}; "
+                          f"allowed: {', '.join(PROFILES)}")
 
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
