@@ -39,15 +39,32 @@ def generate(pipe, bucket, steps: int = 2, seed: int = 0):
                 generator=torch.Generator("cpu").manual_seed(seed)).images
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory, tiny_target):
-    """The tiny target built once: folder, manifest and the progress messages of the build."""
+def build_once(tmp_path_factory, target) -> SimpleNamespace:
     from aotbuild.builder import build
 
     artifacts = tmp_path_factory.mktemp("session") / "artifacts"
     messages: list[tuple[str, str]] = []
-    result = build(tiny_target, artifacts, progress=lambda stage, msg: messages.append((stage, msg)))
+    result = build(target, artifacts, progress=lambda stage, msg: messages.append((stage, msg)))
     return SimpleNamespace(folder=result.folder, artifacts=artifacts, manifest=result.manifest, progress=messages)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, tiny_target):
+    """The tiny target built once: folder, manifest and the progress messages of the build."""
+    return build_once(tmp_path_factory, tiny_target)
+
+
+@pytest.fixture(scope="session")
+def int8_target():
+    from aotbuild.targets import load_target
+
+    return load_target(TARGETS / "cpu-tiny-sdxl-int8.toml")
+
+
+@pytest.fixture(scope="session")
+def built_int8(tmp_path_factory, int8_target):
+    """cpu-tiny-sdxl-int8 (fused QKV + channels_last + int8 dynamic) built once."""
+    return build_once(tmp_path_factory, int8_target)
 
 
 @pytest.fixture
