@@ -167,6 +167,10 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "environment": environment(target.device),
         "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
         "components": components,
+        # Not weights, but part of the recipe: where the scheduler keeps its sigmas (on CPU, each
+        # step's sigma lookup costs no device sync; diffusers' Euler schedulers already do this).
+        "runtime": {"scheduler": type(pipe.scheduler).__name__,
+                    "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a"))},
         "files": {},
         "timings": {},
     }

@@ -123,3 +123,29 @@ def test_full_recipes_parse():
         assert target.dtype == "bfloat16" and target.optimize["quantize"] == "int8_dynamic"
         assert target.optimize["fuse_qkv"] is True and target.inductor["profile"] == "max-autotune"
     assert load_target(TARGETS / "h100-sdxl-fp8.toml").optimize["quantize"] == "float8_dynamic"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only pass: this machine has no CUDA device")
+
+
+@CUDA
+def test_tf32_enables_tf32_on_cuda(tiny_target):
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        _, _, records, _ = optimized(tiny_target, device="cuda", optimize={"tf32": True})
+        assert records["passes"]["tf32"] == {"enabled": True}
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@CUDA
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 needs compute capability >= 8.9")
+def test_float8_dynamic_stores_float8_weights_on_cuda(tiny_target):
+    pipe = eager_pipeline(tiny_target).to("cuda")
+    spec = pipeline_spec(tiny_target.pipeline)
+    target = dataclasses.replace(tiny_target, device="cuda", dtype="bfloat16", optimize={"quantize": "float8_dynamic"})
+    modules, records = optimize_pipeline(pipe, [spec.component("unet")], target)
+    assert records["passes"]["quantize"]["layers"]["unet"] > 0
+    assert any(v.dtype == torch.float8_e4m3fn for v in modules["unet"].state_dict().values())
