@@ -54,8 +54,9 @@ def prepare(target: Target, backend: str, artifacts_dir: Path) -> Any:
 @dataclass
 class Generation:
     images: list
-    first_step_s: float
+    first_step_s: float  # call start to the end of the first denoising step
     total_s: float
+    step_durations_s: list[float]  # each denoising step (the first includes prompt encoding)
 
 
 def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | None = None,
@@ -73,4 +74,6 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
                       num_images_per_prompt=batch, guidance_scale=guidance_scale,
                       generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=on_step_end)
     total = time.perf_counter() - start
-    return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total)
+    ends = [start, *marks]
+    return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total,
+                      step_durations_s=[b - a for a, b in zip(ends, ends[1:], strict=False)])

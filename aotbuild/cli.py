@@ -124,6 +124,33 @@ def verify(artifact: Path) -> None:
     click.echo(f"{artifact}: ok ({len(manifest['files'])} files verified, fits this machine)")
 
 
+@main.command()
+@click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="fresh processes per case")
+@click.option("--steps", type=click.IntRange(2), default=4, show_default=True, help="denoising steps per image")
+@click.option("--steady", type=click.IntRange(1), default=3, show_default=True, help="steady images per process")
+@click.option("--cases", default=",".join(("eager", "compile", "compile-cached", "aot")), show_default=True,
+              help="comma-separated cases")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
+@click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              help=ARTIFACTS_HELP)
+def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str, plot_path: Path | None,
+          artifacts: Path) -> None:
+    """Cold start, steady state and memory of each backend, side by side; writes bench.json."""
+    from .bench import BENCH_NAME, format_table, plot, run_bench
+    from .targets import load_target
+
+    target = load_target(target_name)
+    document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady,
+                         cases=tuple(c.strip() for c in cases.split(",") if c.strip()),
+                         progress=lambda msg: click.echo(f"[bench] {msg}", err=True))
+    click.echo(format_table(document))
+    click.echo(f"wrote {artifacts / target.name / BENCH_NAME}")
+    if plot_path:
+        plot(document, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 

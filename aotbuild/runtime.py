@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
+import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import AotbuildError, ShapeNotSupportedError
-from .manifest import check_compatible, read_manifest, verify_files
+from .errors import AotbuildError, CorruptArtifactError, ShapeNotSupportedError
+from .manifest import check_compatible, read_manifest, sha256_file, verify_files
 from .pipelines import pipeline_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,22 +59,65 @@ def leaf_signature(tree: Any) -> list[dict[str, Any]]:
     return leaves
 
 
+def package_cache_dir() -> Path:
+    """Where extracted packages live: $AOTBUILD_CACHE/packages, else ~/.cache/aotbuild/packages."""
+    return Path(os.environ.get("AOTBUILD_CACHE", Path.home() / ".cache" / "aotbuild")) / "packages"
+
+
+def extracted_package(package: Path, sha256: str) -> Path:
+    """The package's files, extracted once per content hash and reused by every later process.
+
+    Extraction goes to a private temporary folder renamed into place when complete, so concurrent
+    processes never see a partial folder; the loser of a rename race drops its copy.
+    """
+    root = package_cache_dir()
+    folder = root / sha256
+    if folder.is_dir():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:16]}-", dir=root))
+    try:
+        with zipfile.ZipFile(package) as archive:
+            archive.extractall(staging)
+        os.rename(staging, folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 class CompiledVariant:
-    """One compiled model of a package (one shape variant), bound to its weights."""
+    """One compiled model of a package (one shape variant), bound to its weights.
+
+    On CPU the model's library is loaded straight from the extracted-package cache with the
+    container runner (no archive extraction per process); on CUDA through torch's package loader.
+    """
 
     def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
-                 weights: dict[str, torch.Tensor]) -> None:
-        index = device.index if device.type == "cuda" and device.index is not None else (
-            torch.cuda.current_device() if device.type == "cuda" else -1)
+                 weights: dict[str, torch.Tensor], sha256: str | None = None) -> None:
         self.name = entry["name"]
         self.entry = entry
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, False, 1, index)
-        in_spec, out_spec = self.loader.get_call_spec()
-        self.in_spec = pytree.treespec_loads(in_spec)
-        self.out_spec = pytree.treespec_loads(out_spec)
         self.inputs = entry["inputs"]
         # Bind before any call: a weight-less model run without constants crashes the process.
-        self.loader.load_constants({k: weights[k] for k in self.loader.get_constant_fqns()}, False, True, True)
+        if device.type == "cpu":
+            folder = extracted_package(package, sha256 or sha256_file(package))
+            library = next(folder.glob(f"*/data/aotinductor/{self.name}/*.so"), None)
+            if library is None:
+                raise CorruptArtifactError(f"{package}: no compiled library for variant {self.name}")
+            runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(library), 1)
+            names = runner.get_constant_names_to_original_fqns()
+            runner.update_constant_buffer({name: weights[fqn] for name, fqn in names.items()}, False, True, True)
+            self._run = runner.run
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            runner = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, False, 1, index)
+            runner.load_constants({k: weights[k] for k in runner.get_constant_fqns()}, False, True, True)
+            self._run = runner.boxed_run
+        in_spec, out_spec = runner.get_call_spec()
+        self.in_spec = pytree.treespec_loads(in_spec)
+        self.out_spec = pytree.treespec_loads(out_spec)
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""
@@ -103,7 +149,7 @@ class CompiledVariant:
                     leaf = torch.empty_strided(expected["shape"], expected["stride"], dtype=want,
                                                device=device).copy_(leaf)
                 tensors.append(leaf)
-        return pytree.tree_unflatten(self.loader.boxed_run(tensors), self.out_spec)
+        return pytree.tree_unflatten(self._run(tensors), self.out_spec)
 
     def __repr__(self) -> str:
         return f"CompiledVariant({self.name}, bucket={self.entry.get('bucket')})"
@@ -230,7 +276,8 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         weights = _load_weights(folder / entry["weights"], device)
-        variants = [CompiledVariant(folder / entry["package"], v, device, weights) for v in entry["variants"]]
+        sha256 = manifest["files"].get(entry["package"], {}).get("sha256")
+        variants = [CompiledVariant(folder / entry["package"], v, device, weights, sha256) for v in entry["variants"]]
         modules[entry["attribute"]] = CompiledComponent(
             name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants, weights, device,
             eager=(eager or {}).get(name))

@@ -3,7 +3,9 @@ a minute or two) into a temporary folder; tests that need a modified artifact co
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +14,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ROOT / "targets"
+# Extracted packages go to a throwaway cache, not the user's ~/.cache (subprocesses inherit this).
+os.environ["AOTBUILD_CACHE"] = tempfile.mkdtemp(prefix="aotbuild-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,238 @@
+"""`aotbuild bench`: cold start, steady state and memory of eager / compile / compile-cached / aot,
+each repetition of each case in a fresh process, cases interleaved so machine drift cancels.
+
+The parent (`run_bench`) spawns `python -m aotbuild.bench --case ...` workers; each worker times
+from its own spawn (the parent's clock just before starting it) to pipeline ready, first denoising
+step and first image, then steady per-step and per-image latency, and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import AotbuildError
+
+CASES = ("eager", "compile", "compile-cached", "aot")
+FIGURES = {
+    "ready_s": "process start to pipeline ready",
+    "first_step_s": "process start to first denoising step done",
+    "first_image_s": "process start to first image",
+    "steady_step_s": "steady denoising step latency",
+    "steady_image_s": "steady image latency",
+    "load_rss_mib": "RSS added by loading the pipeline",
+    "peak_rss_mib": "peak RSS",
+    "peak_cuda_mib": "peak CUDA memory",
+    "artifact_mib": "artifact bytes",
+}
+BENCH_NAME = "bench.json"
+
+
+class BenchError(AotbuildError):
+    """A benchmark worker failed."""
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    """Median and spread of one figure over repetitions (None values, e.g. no CUDA, are dropped)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None, "values": values}
+    return {"median": statistics.median(present), "min": min(present), "max": max(present), "values": values}
+
+
+def ratios_to_aot(runs: dict[str, list[dict[str, Any]]], figures: tuple[str, ...] = tuple(FIGURES)) -> dict:
+    """Per case and figure, the median over repetitions of case/aot, paired by repetition."""
+    out: dict[str, dict[str, float | None]] = {}
+    for case, case_runs in runs.items():
+        out[case] = {}
+        for figure in figures:
+            pairs = [r[figure] / a[figure] for r, a in zip(case_runs, runs["aot"], strict=False)
+                     if r.get(figure) and a.get(figure)]
+            out[case][figure] = statistics.median(pairs) if pairs else None
+    return out
+
+
+def report(runs: dict[str, list[dict[str, Any]]], environment: dict[str, Any], meta: dict[str, Any]) -> dict:
+    """The bench.json document from the raw per-repetition figures."""
+    summary = {case: {f: summarize([r.get(f) for r in case_runs]) for f in FIGURES} for case, case_runs in runs.items()}
+    document = {"meta": meta, "environment": environment, "figures": FIGURES, "runs": runs, "summary": summary}
+    if "aot" in runs:
+        document["ratio_to_aot"] = ratios_to_aot(runs)
+    return document
+
+
+def format_table(document: dict[str, Any]) -> str:
+    """A fixed-width table: median [min-max] per case and figure, then ratios to aot."""
+    cases = list(document["summary"])
+    width = 26
+    lines = [f"{'figure':<26}" + "".join(f"{c:>{width}}" for c in cases)]
+    for figure in FIGURES:
+        row = f"{figure:<26}"
+        for case in cases:
+            s = document["summary"][case][figure]
+            cell = "-" if s["median"] is None else f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
+            row += f"{cell:>{width}}"
+        lines.append(row)
+    if "ratio_to_aot" in document:
+        lines.append("ratio to aot (median of per-repetition ratios)")
+        for figure in ("first_step_s", "first_image_s", "steady_step_s", "steady_image_s", "peak_rss_mib"):
+            row = f"  {figure:<24}"
+            for case in cases:
+                r = document["ratio_to_aot"][case][figure]
+                row += f"{'-' if r is None else f'{r:.2f}x':>{width}}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps: int = 4, steady: int = 3,
+              cases: tuple[str, ...] = CASES, progress: Any = None) -> dict[str, Any]:
+    """Run every case `repeats` times in fresh processes; write and return bench.json.
+
+    Raises:
+        AotbuildError: unknown case, missing artifact, or a worker failure (with its stderr).
+    """
+    from .manifest import environment
+    from .targets import load_target
+
+    target = load_target(target_path)
+    target_path = str(target.base_dir / f"{target.name}.toml")  # workers resolve the same file
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise AotbuildError(f"unknown bench case {unknown[0]!r}; known: {', '.join(CASES)}")
+    if "compile-cached" in cases and "compile" not in cases:
+        raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
+    folder = artifacts_dir / target.name
+    if not (folder / "manifest.json").is_file():
+        raise AotbuildError(f"no artifact at {folder}", hint=f"build it first: aotbuild build --target {target.name}")
+    runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
+    with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:
+        for rep in range(repeats):
+            mega_cache = Path(work) / f"mega-cache-{rep}.bin"
+            for case in cases:
+                if progress:
+                    progress(f"repetition {rep + 1}/{repeats}: {case}")
+                runs[case].append(_run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work)))
+    meta = {"target": target.name, "steps": steps, "steady_runs": steady, "repeats": repeats,
+            "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    document = report(runs, environment(target.device), meta)
+    (folder / BENCH_NAME).write_text(json.dumps(document, indent=2) + "\n")
+    return document
+
+
+def plot(document: dict[str, Any], path: Path) -> None:
+    """Bar chart of first-image (cold) and steady image latency per case."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise AotbuildError("--plot needs matplotlib", hint="pip install 'aotbuild[plot]'") from None
+    cases = list(document["summary"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, figure, title in ((axes[0], "first_image_s", "cold: process start to first image (s)"),
+                              (axes[1], "steady_image_s", "steady image latency (s)")):
+        stats = [document["summary"][c][figure] for c in cases]
+        medians = [s["median"] or 0 for s in stats]
+        errors = [[m - (s["min"] or m) for m, s in zip(medians, stats, strict=True)],
+                  [(s["max"] or m) - m for m, s in zip(medians, stats, strict=True)]]
+        ax.bar(cases, medians, yerr=errors, capsize=4, color=["#888", "#c66", "#d96", "#4a8"][: len(cases)])
+        ax.set_title(title)
+    fig.suptitle(f"aotbuild bench: {document['meta']['target']} ({document['meta']['shape']}, "
+                 f"{document['meta']['steps']} steps, {document['meta']['repeats']} repetitions)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, steady: int,
+                mega_cache: Path, work: Path) -> dict[str, Any]:
+    out = work / f"{case}-{time.monotonic_ns()}.json"
+    # Each process gets an empty inductor cache: `compile` pays its real cold cost, and
+    # `compile-cached` starts from the mega-cache alone.
+    cache_dir = tempfile.mkdtemp(prefix="inductor-", dir=work)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "aotbuild.bench", "--case", case, "--target", str(target_path),
+           "--artifacts", str(artifacts_dir), "--steps", str(steps), "--steady", str(steady),
+           "--mega-cache", str(mega_cache), "--out", str(out), "--spawn-time", repr(time.time())]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if result.returncode != 0 or not out.is_file():
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise BenchError(f"bench case {case} failed (exit {result.returncode}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """Body of one fresh process: prepare the case's pipeline, time the first and steady calls."""
+    import resource
+
+    import torch
+
+    from .backends import generate, prepare
+    from .targets import load_target
+
+    def since_spawn() -> float:
+        return time.time() - args.spawn_time
+
+    target = load_target(args.target)
+    bucket = target.shapes[0]
+    if args.case == "compile-cached":
+        torch.compiler.load_cache_artifacts(Path(args.mega_cache).read_bytes())
+    rss_before = _rss_mib()
+    pipe = prepare(target, "compile" if args.case == "compile-cached" else args.case, Path(args.artifacts))
+    figures: dict[str, Any] = {"ready_s": since_spawn(), "load_rss_mib": _rss_mib() - rss_before}
+
+    def call() -> Any:
+        return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
+                        width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale)
+
+    started = since_spawn()
+    first = call()
+    figures["first_step_s"] = started + first.first_step_s
+    figures["first_image_s"] = started + first.total_s
+    if args.case == "compile":
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(args.mega_cache).write_bytes(saved[0])
+    steady = [call() for _ in range(args.steady)]
+    step_times = [d for g in steady for d in g.step_durations_s[1:]]  # step 0 also encodes the prompt
+    figures["steady_step_s"] = statistics.median(step_times) if step_times else None
+    figures["steady_image_s"] = statistics.median(g.total_s for g in steady) if steady else None
+    figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    artifact = Path(args.artifacts) / target.name
+    figures["artifact_mib"] = (sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
+                               if args.case == "aot" else None)
+    Path(args.out).write_text(json.dumps(figures))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="one aotbuild bench worker (spawned by `aotbuild bench`)")
+    parser.add_argument("--case", choices=CASES, required=True)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--artifacts", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--steady", type=int, required=True)
+    parser.add_argument("--mega-cache", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--spawn-time", type=float, required=True)
+    _worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

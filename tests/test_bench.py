@@ -1,0 +1,93 @@
+"""`aotbuild bench`: statistics and report on recorded figures, and one short real run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from aotbuild.bench import CASES, FIGURES, format_table, ratios_to_aot, report, summarize
+from aotbuild.cli import main
+from aotbuild.runtime import extracted_package
+
+from .conftest import TARGETS
+
+RECORDED = {  # two repetitions; aot's figures drift upward on the second, so must the ratios' inputs
+    "eager": [{"first_step_s": 4.0, "steady_step_s": 0.030}, {"first_step_s": 4.4, "steady_step_s": 0.033}],
+    "aot": [{"first_step_s": 2.0, "steady_step_s": 0.010}, {"first_step_s": 4.4, "steady_step_s": 0.011}],
+}
+
+
+def test_summarize_median_and_spread_ignoring_missing():
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, 1.0, 2.0]}
+    assert summarize([None, None])["median"] is None
+    assert summarize([1.0, None, 3.0])["median"] == 2.0
+
+
+def test_ratios_are_paired_by_repetition():
+    ratios = ratios_to_aot(RECORDED, ("first_step_s", "steady_step_s"))
+    assert ratios["eager"]["first_step_s"] == pytest.approx((4.0 / 2.0 + 4.4 / 4.4) / 2)  # not 4.2 / 3.2
+    assert ratios["eager"]["steady_step_s"] == pytest.approx((3.0 + 3.0) / 2)
+    assert ratios["aot"]["first_step_s"] == 1.0
+
+
+def test_report_and_table_format():
+    document = report(RECORDED, {"torch": "x"}, {"target": "t"})
+    assert set(document) == {"meta", "environment", "figures", "runs", "summary", "ratio_to_aot"}
+    assert document["summary"]["eager"]["first_step_s"]["median"] == pytest.approx(4.2)
+    lines = format_table(document).splitlines()
+    assert lines[0].split() == ["figure", "eager", "aot"]
+    assert lines[1].split()[:2] == ["ready_s", "-"]
+    row = next(line for line in lines if line.startswith("first_step_s"))
+    assert row.split() == ["first_step_s", "4.2", "[4-4.4]", "3.2", "[2-4.4]"]
+    assert any(line.split()[:3] == ["first_step_s", "1.50x", "1.00x"] for line in lines)
+
+
+@pytest.mark.slow
+def test_package_cache_is_safe_under_concurrent_extraction(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTBUILD_CACHE", str(tmp_path))
+    package = built.folder / "unet.pt2"
+    sha = built.manifest["files"]["unet.pt2"]["sha256"]
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(extracted_package(package, sha))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and results[0].name == sha
+    assert [p.name for p in (tmp_path / "packages").iterdir()] == [sha]  # no partial folders left
+    assert list(results[0].glob("*/data/aotinductor/b1_64x64/*.so"))
+
+
+@pytest.mark.slow
+def test_short_real_bench_has_every_case_and_figure(built, tmp_path):
+    artifacts = tmp_path / "artifacts"  # bench.json goes into the artifact: use a copy
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    plot = tmp_path / "bench.png"
+    result = CliRunner().invoke(main, [
+        "bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts", str(artifacts),
+        "--repeats", "1", "--steps", "2", "--steady", "1", "--plot", str(plot)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    document = json.loads((artifacts / built.folder.name / "bench.json").read_text())
+    assert list(document["runs"]) == list(CASES)
+    for case in CASES:
+        run = document["runs"][case][0]
+        assert set(run) == set(FIGURES)
+        for figure in ("ready_s", "first_step_s", "first_image_s", "steady_step_s", "steady_image_s", "peak_rss_mib"):
+            assert run[figure] > 0
+        assert run["first_step_s"] >= run["ready_s"]
+    assert document["runs"]["aot"][0]["artifact_mib"] > 0 and document["ratio_to_aot"]["aot"]["first_step_s"] == 1
+    assert document["environment"]["torch"] and document["meta"]["shape"] == "1x64x64"
+    assert "ratio to aot" in result.output and plot.stat().st_size > 10_000
+
+
+def test_bench_without_artifact_or_with_unknown_case(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+                                       "--artifacts", str(tmp_path)])
+    assert result.exit_code == 1 and "no artifact at" in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+                                       "--artifacts", str(tmp_path), "--cases", "aot,warp"])
+    assert result.exit_code == 1 and "unknown bench case 'warp'" in result.output
