@@ -233,7 +233,7 @@ def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> 
     folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set())
     seed = target.seed if sources.is_random(target.source) else None
     components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32)
-    pipe = sources.pipeline_class(spec)(**components)
+    pipe = sources.assemble_pipeline(spec, folder, components)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

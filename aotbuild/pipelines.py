@@ -7,6 +7,7 @@ validation all read these descriptions. This module imports torch only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,15 @@ UNET = ComponentSpec(
     read_attributes=("add_embedding.linear_1.in_features",),
 )
 
+TRANSFORMER = ComponentSpec(
+    name="transformer",
+    attribute="transformer",
+    method="forward",
+    export_module=_same_module,
+    call_inputs=_forward_without_return_dict,
+    output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
+)
+
 VAE_DECODER = ComponentSpec(
     name="vae_decoder",
     attribute="vae",
@@ -121,12 +131,39 @@ VAE_DECODER = ComponentSpec(
     output_class="diffusers.models.autoencoders.vae.DecoderOutput",
 )
 
+def _patch_pixel_stride(configs: dict[str, dict]) -> int:
+    return _vae_factor(configs) * configs["transformer"].get("patch_size", 1)
+
+
+def _packed_pixel_stride(configs: dict[str, dict]) -> int:
+    # Flux packs 2x2 latent patches into one token.
+    return _vae_factor(configs) * 2
+
+
 PIPELINES: dict[str, PipelineSpec] = {
     "StableDiffusionXLPipeline": PipelineSpec(
         class_name="StableDiffusionXLPipeline",
         components={"unet": UNET, "vae_decoder": VAE_DECODER},
         pixel_stride=_unet_pixel_stride,
         default_stride=32,  # SDXL base: VAE factor 8 x UNet factor 4
+    ),
+    "StableDiffusionPipeline": PipelineSpec(
+        class_name="StableDiffusionPipeline",
+        components={"unet": dataclasses.replace(UNET, read_attributes=()), "vae_decoder": VAE_DECODER},
+        pixel_stride=_unet_pixel_stride,
+        default_stride=64,  # SD 1.5: VAE factor 8 x UNet factor 8
+    ),
+    "StableDiffusion3Pipeline": PipelineSpec(
+        class_name="StableDiffusion3Pipeline",
+        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER},
+        pixel_stride=_patch_pixel_stride,
+        default_stride=16,  # SD3 medium: VAE factor 8 x patch 2
+    ),
+    "FluxPipeline": PipelineSpec(
+        class_name="FluxPipeline",
+        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER},
+        pixel_stride=_packed_pixel_stride,
+        default_stride=16,  # Flux: VAE factor 8 x 2x2 packing
     ),
 }
 

@@ -7,6 +7,7 @@ torchao or torch._dynamo: what this module imports decides cold start.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -181,6 +182,10 @@ class CompiledComponent(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self._dtype
 
+    def cache_context(self, name: str) -> contextlib.AbstractContextManager:
+        """diffusers' CacheMixin hook (Flux enters it around each call); nothing to cache here."""
+        return contextlib.nullcontext()
+
     @property
     def device(self) -> torch.device:
         return self._device
@@ -316,7 +321,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     Raises:
         IncompatibleArtifactError, CorruptArtifactError, SourceError.
     """
-    from .sources import SOURCE_DIRNAME, is_random, pipeline_class, resolve_folder
+    from .sources import SOURCE_DIRNAME, assemble_pipeline, is_random, resolve_folder
     from .sources import load_components as load_source_components
 
     folder = Path(artifact)
@@ -329,5 +334,5 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
         source_folder = resolve_folder(target["source"], target.get("revision"), folder, set(modules))
         seed = None
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
-    pipe = pipeline_class(spec)(**others, **modules)
+    pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))

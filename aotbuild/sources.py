@@ -118,8 +118,10 @@ def load_components(
             obj = cls.from_pretrained(sub, torch_dtype=dtype)
         else:  # tokenizers, schedulers
             obj = cls.from_pretrained(sub)
-        if dtype is not None and isinstance(obj, torch.nn.Module):
-            obj = obj.to(dtype).eval()
+        if isinstance(obj, torch.nn.Module):
+            if dtype is not None and obj.dtype != dtype:
+                obj = obj.to(dtype)
+            obj = obj.eval()
         components[name] = obj
     return components
 
@@ -134,7 +136,16 @@ def resolve_folder(source: str, revision: str | None, base_dir: Path, skip: set[
     return folder
 
 
-def pipeline_class(spec: PipelineSpec) -> type:
+def assemble_pipeline(spec: PipelineSpec, folder: Path, components: dict[str, Any]) -> Any:
+    """The pipeline object from its components, with model_index.json's absent components (null)
+    as None and its plain options (e.g. requires_safety_checker) passed when the class takes them."""
+    import inspect
+
     import diffusers
 
-    return getattr(diffusers, spec.class_name)
+    cls = getattr(diffusers, spec.class_name)
+    params = inspect.signature(cls.__init__).parameters
+    index = json.loads((folder / "model_index.json").read_text())
+    kwargs = {k: (None if isinstance(v, list) else v) for k, v in index.items()
+              if k in params and (not isinstance(v, list) or v[0] is None)}
+    return cls(**kwargs, **components)
