@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from . import capture, export, optimize, sources
+from . import capture, export, optimize, shapes, sources
 from .errors import AotbuildError, BuildError, NumericsError
 from .manifest import (
     SCHEMA_VERSION,
@@ -133,26 +134,28 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     specs = [spec.component(name) for name in target.components]
     device = torch.device(target.device)
     inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize))
+    points = _capture_points(target)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
         pipe = _load_pipeline(target, spec, device)
     with stages("capture", "eager float32 reference"):
-        reference = _capture_all(pipe, specs, target, stages.progress)
+        reference = _capture_all(pipe, specs, target, list(points.values()), stages.progress)
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
-    examples = reference
+    examples = {name: reference[points[name]] for name in _export_points(points)}
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
-            examples = _capture_all(pipe, specs, target, stages.progress)
-        examples = {bucket: {name: capture.CapturedCall(*optimize.adapt_example_inputs(
-                        target.optimize, (call.args, call.kwargs)), call.output) for name, call in calls.items()}
-                    for bucket, calls in examples.items()}
+            optimized = _capture_all(pipe, specs, target, [points[n] for n in examples], stages.progress)
+        examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
+                        target.optimize, (call.args, call.kwargs)), call.output) for c, call in
+                        optimized[points[name]].items()}
+                    for name in examples}
 
-    components = {
-        s.name: _build_component(s, modules[s.name], target, examples, records["dtype"][s.name],
-                                 inductor_options, out, stages)
-        for s in specs
-    }
+    components = {}
+    for s in specs:
+        dims = _dynamic_dims(s.name, reference, points, target) if target.dynamic else None
+        components[s.name] = _build_component(s, modules[s.name], target, examples, dims,
+                                              records["dtype"][s.name], inductor_options, out, stages)
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
 
@@ -175,7 +178,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "timings": {},
     }
     with stages("validate", "compiled vs eager float32 on the captured inputs"):
-        _validate(out, manifest, reference, device, allow_drift)
+        _validate(out, manifest, reference, points, device, allow_drift)
     manifest["files"] = {
         str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(out.rglob("*")) if p.is_file()
@@ -185,26 +188,73 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     return manifest
 
 
-def _capture_all(pipe: Any, specs: list, target: Target, progress: Progress) -> dict:
-    """{bucket: {component: CapturedCall}} from one pipeline call per bucket."""
-    calls = {}
-    for bucket in target.shapes:
-        progress("capture", f"at {bucket} (batch x height x width)")
-        calls[bucket] = capture.capture_inputs(pipe, specs, batch=bucket.batch, height=bucket.height,
-                                               width=bucket.width, guidance_scale=target.guidance_scale)
+def _capture_points(target: Target) -> dict[str, ShapeBucket]:
+    """Where to run the pipeline: each bucket (by variant name) and, for a dynamic target, the
+    range's corners and the probes that tell how each input dim follows batch/height/width."""
+    points = {variant_name(b): b for b in target.shapes}
+    if target.dynamic:
+        ranges = target.dynamic
+        points["dynamic:min"] = ShapeBucket(*(ranges[a][0] for a in shapes.AXES))
+        points["dynamic:max"] = ShapeBucket(*(ranges[a][1] for a in shapes.AXES))
+        for name, point in shapes.probe_points(ranges, target.stride).items():
+            points[f"dynamic:{name}"] = ShapeBucket(*point)
+    return points
+
+
+def _export_points(points: dict[str, ShapeBucket]) -> list[str]:
+    """The points each variant is exported at: every bucket, and the dynamic model's base probe."""
+    return [name for name in points if not name.startswith("dynamic:") or name == "dynamic:base"]
+
+
+def _capture_all(pipe: Any, specs: list, target: Target, buckets: list[ShapeBucket], progress: Progress) -> dict:
+    """{bucket: {component: CapturedCall}} from one pipeline call per distinct bucket."""
+    calls: dict[ShapeBucket, dict] = {}
+    for bucket in buckets:
+        if bucket not in calls:
+            progress("capture", f"at {bucket} (batch x height x width)")
+            calls[bucket] = capture.capture_inputs(pipe, specs, batch=bucket.batch, height=bucket.height,
+                                                   width=bucket.width, guidance_scale=target.guidance_scale)
     return calls
 
 
-def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, examples: dict, dtype: str,
-                     inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
+def _tensor_shapes(call: capture.CapturedCall) -> list[list[int]]:
+    return [list(leaf.shape) for leaf in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)]
+
+
+def _dynamic_dims(component: str, reference: dict, points: dict[str, ShapeBucket], target: Target) -> list:
+    """How each input dim of `component` follows (batch, height, width), from the reference captures."""
+    def at(name: str) -> list[list[int]]:
+        return _tensor_shapes(reference[points[name]][component])
+
+    probes = {name: at(f"dynamic:{name}") for name in ("base", *shapes.AXES)}
+    corners = {name: at(f"dynamic:{name}") for name in ("min", "max")}
+    probe_sizes = {name: tuple(getattr(points[f"dynamic:{name}"], a) for a in shapes.AXES) for name in probes}
+    return shapes.classify(probes, corners, probe_sizes, target.stride)
+
+
+def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, examples: dict,
+                     dims: list | None, dtype: str, inductor_options: dict[str, Any], out: Path,
+                     stages: _Stages) -> dict[str, Any]:
     """Export, compile and package every shape variant of one component; returns its manifest entry."""
     exported = spec.export_module(module).eval()
-    programs = {}
-    for bucket in target.shapes:
-        call = examples[bucket][spec.name]
-        with stages("export", f"{spec.name} at {bucket}"):
-            programs[variant_name(bucket)] = export.export_variant(
-                exported, call.args, call.kwargs, optimize.export_context(target.optimize))
+    programs, variants = {}, []
+    for name, calls in examples.items():
+        call = calls[spec.name]
+        entry: dict[str, Any] = {"name": "dynamic" if name == "dynamic:base" else name}
+        dynamic_shapes = None
+        if name == "dynamic:base":
+            dynamic_shapes = shapes.export_dynamic_shapes(exported, call.args, call.kwargs, dims, target.dynamic,
+                                                          target.stride)
+            entry["dynamic"] = {**target.dynamic, "stride": target.stride}
+            entry["inputs"] = _dynamic_signature(call, dims)
+        else:
+            bucket = ShapeBucket(*(int(v) for v in name[1:].replace("x", "_").split("_")))
+            entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width}
+            entry["inputs"] = leaf_signature((call.args, call.kwargs))
+        with stages("export", f"{spec.name} {entry['name']}"):
+            programs[entry["name"]] = export.export_variant(exported, call.args, call.kwargs,
+                                                            optimize.export_context(target.optimize), dynamic_shapes)
+        variants.append(entry)
     compiled = {}
     for i, (name, program) in enumerate(programs.items(), 1):
         with stages("compile", f"{spec.name} {name} ({i}/{len(programs)}, AOTInductor)"):
@@ -221,12 +271,24 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
         "config": dict(module.config),
         "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values())},
-        "variants": [
-            {"name": variant_name(b), "bucket": {"batch": b.batch, "height": b.height, "width": b.width},
-             "inputs": leaf_signature((examples[b][spec.name].args, examples[b][spec.name].kwargs))}
-            for b in target.shapes
-        ],
+        "variants": variants,
     }
+
+
+def _dynamic_signature(call: capture.CapturedCall, dims: list) -> list[dict[str, Any]]:
+    """Like leaf_signature, with each tensor's dims as classified and its memory layout."""
+    leaves = leaf_signature((call.args, call.kwargs))
+    tensor_dims = iter(dims)
+    tensors = iter(t for t in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor))
+    for leaf in leaves:
+        if "shape" in leaf:
+            tensor = next(tensors)
+            del leaf["shape"], leaf["stride"]
+            leaf["dims"] = next(tensor_dims)
+            nhwc = tensor.ndim == 4 and not tensor.is_contiguous() and tensor.is_contiguous(
+                memory_format=torch.channels_last)
+            leaf["layout"] = "channels_last" if nhwc else "contiguous"
+    return leaves
 
 
 def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> Any:
@@ -264,9 +326,11 @@ def _write_package(out: Path, package_file: str, weights_file: str, compiled: di
     return constants
 
 
-def _validate(out: Path, manifest: dict[str, Any], reference: dict, device: torch.device, allow_drift: bool) -> None:
+def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, ShapeBucket],
+              device: torch.device, allow_drift: bool) -> None:
     """Run each compiled variant through the runtime's own loader on the float32 captured inputs
-    (cast to the variant's dtypes) and compare with the eager float32 output."""
+    (cast to the variant's dtypes) and compare with the eager float32 output: a bucket at its
+    shape, the dynamic model at the range's min and max corners and its base point."""
     from .runtime import _load_weights
 
     failures = []
@@ -274,24 +338,28 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, device: torc
         weights = _load_weights(out / entry["weights"], device)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         for variant_entry in entry["variants"]:
-            bucket = ShapeBucket(**variant_entry["bucket"])
-            call = reference[bucket][name]
             variant = CompiledVariant(out / entry["package"], variant_entry, device, weights)
-            leaves = variant.flatten(call.args, call.kwargs)
-            if leaves is None or not variant.accepts(leaves):
-                raise BuildError(f"{name} {variant.name}: the compiled model does not accept its own captured inputs")
-            with torch.no_grad():
-                result = variant.run(leaves, device)
-            result = result[0] if isinstance(result, (tuple, list)) else result
-            expected = call.output.float()
-            error = (result.float() - expected).abs().max().item()
-            scale = max(expected.abs().max().item(), 1e-6)
+            checked = ["dynamic:min", "dynamic:base", "dynamic:max"] if "dynamic" in variant_entry else [variant.name]
+            errors = {}
+            for point in checked:
+                call = reference[points[point]][name]
+                leaves = variant.flatten(call.args, call.kwargs)
+                if leaves is None or not variant.accepts(leaves):
+                    raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
+                                     f"{points[point]}")
+                with torch.no_grad():
+                    result = variant.run(leaves, device)
+                result = result[0] if isinstance(result, (tuple, list)) else result
+                expected = call.output.float()
+                error = (result.float() - expected).abs().max().item()
+                errors[str(points[point])] = (error, error / max(expected.abs().max().item(), 1e-6))
+            worst_abs, worst_rel = max(errors.values(), key=lambda e: e[1] if e[1] == e[1] else float("inf"))
             variant_entry["numerics"] = {
-                "max_abs_error": error, "max_rel_error": error / scale, "tolerance": tolerance,
-                "reference": "eager float32, unoptimized",
+                "max_abs_error": worst_abs, "max_rel_error": worst_rel, "tolerance": tolerance,
+                "reference": "eager float32, unoptimized", "checked_at": list(errors),
             }
-            if not error / scale <= tolerance:  # also catches NaN
-                failures.append(f"{name} {variant.name}: relative error {error / scale:.3g} > {tolerance:g}")
+            if not worst_rel <= tolerance:  # also catches NaN
+                failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
             del variant
         del weights
     if failures and not allow_drift:

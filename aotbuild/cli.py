@@ -151,11 +151,24 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str, p
         click.echo(f"wrote {plot_path}")
 
 
+def _dim_text(dim: Any) -> str:
+    """A dim of a variant's signature: 4, 2*B, H/8, T[16..256]."""
+    if isinstance(dim, int):
+        return str(dim)
+    if dim["axis"] == "batch":
+        return "B" if dim["factor"] == 1 else f"{dim['factor']}*B"
+    if dim["axis"] == "tokens":
+        return f"T[{dim['min']}..{dim['max']}]"
+    return f"{dim['axis'][0].upper()}/{dim['pixels']}"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
 def _summary(folder: Path, m: dict[str, Any]) -> str:
+    from .runtime import variant_coverage
+
     t, env = m["target"], m["environment"]
     lines = [
         f"artifact   {folder}",
@@ -172,10 +185,11 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         lines.append(f"  {name:<12} {c['package']} + {c['weights']} ({c['constants']['count']} constants, "
                      f"{_mib(c['constants']['bytes'])}, {c['dtype']})")
         for v in c["variants"]:
-            b, num = v["bucket"], v.get("numerics", {})
-            shapes = " ".join(f"{i['path']}={i['shape']}" for i in v["inputs"] if "shape" in i)
+            num = v.get("numerics", {})
+            shapes = " ".join(f"{i['path']}=[{', '.join(map(_dim_text, i['shape'] if 'shape' in i else i['dims']))}]"
+                              for i in v["inputs"] if "shape" in i or "dims" in i)
             error = f"rel.err {num.get('max_rel_error', float('nan')):.2e} (tol {num.get('tolerance', '?')})"
-            lines.append(f"    {v['name']:<12} batch {b['batch']}, {b['height']}x{b['width']} px   {error}   {shapes}")
+            lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}   {shapes}")
     lines.append("files")
     for name, f in m["files"].items():
         if "/" not in name:

@@ -76,14 +76,17 @@ def custom_ops_called(files: list) -> list[str]:
     return sorted(namespaces)
 
 
-def export_variant(module: torch.nn.Module, args: tuple, kwargs: dict,
-                   context: Any = None) -> torch.export.ExportedProgram:
-    """torch.export of the module at one static shape (non-strict: traces through diffusers code)."""
+def export_variant(module: torch.nn.Module, args: tuple, kwargs: dict, context: Any = None,
+                   dynamic_shapes: dict[str, Any] | None = None) -> torch.export.ExportedProgram:
+    """torch.export of the module at one static shape, or over `dynamic_shapes` (non-strict: traces
+    through diffusers code). A dim the model forces to one size is an error naming it, never a
+    silently static "dynamic" model: explicit Dims make export refuse rather than specialize."""
     with context or contextlib.nullcontext():
         try:
-            return torch.export.export(module, args, kwargs, strict=False)
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:
-            raise BuildError(f"torch.export failed for {type(module).__name__}: {exc}") from exc
+            kind = "dynamic " if dynamic_shapes else ""
+            raise BuildError(f"torch.export ({kind}shapes) failed for {type(module).__name__}: {exc}") from exc
 
 
 def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> list:

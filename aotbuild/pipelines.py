@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ class PipelineSpec:
     components: dict[str, ComponentSpec]
     pixel_stride: Callable[[dict[str, dict]], int]
     default_stride: int
-    call_defaults: dict[str, Any] = field(default_factory=dict)
+    max_denoiser_batch: int | None = None
 
     def component(self, name: str) -> ComponentSpec:
         try:
@@ -146,12 +146,14 @@ PIPELINES: dict[str, PipelineSpec] = {
         components={"unet": UNET, "vae_decoder": VAE_DECODER},
         pixel_stride=_unet_pixel_stride,
         default_stride=32,  # SDXL base: VAE factor 8 x UNet factor 4
+        max_denoiser_batch=63,
     ),
     "StableDiffusionPipeline": PipelineSpec(
         class_name="StableDiffusionPipeline",
         components={"unet": dataclasses.replace(UNET, read_attributes=()), "vae_decoder": VAE_DECODER},
         pixel_stride=_unet_pixel_stride,
         default_stride=64,  # SD 1.5: VAE factor 8 x UNet factor 8
+        max_denoiser_batch=63,
     ),
     "StableDiffusion3Pipeline": PipelineSpec(
         class_name="StableDiffusion3Pipeline",

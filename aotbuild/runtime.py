@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from .errors import AotbuildError, CorruptArtifactError, ShapeNotSupportedError
 from .manifest import check_compatible, read_manifest, sha256_file, verify_files
 from .pipelines import pipeline_spec
+from .shapes import infer_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,12 +133,19 @@ class CompiledVariant:
         return [(leaf_name(path), leaf) for path, leaf in leaves]
 
     def accepts(self, leaves: list[tuple[str, Any]]) -> bool:
+        """Whether this model computes these inputs correctly (AOTInductor itself checks nothing)."""
         for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
-            if isinstance(leaf, torch.Tensor):
-                if "shape" not in expected or list(leaf.shape) != expected["shape"]:
-                    return False
-            elif "value" not in expected or repr(leaf) != expected["value"]:
+            if isinstance(leaf, torch.Tensor) != ("value" not in expected):
                 return False
+            if not isinstance(leaf, torch.Tensor) and repr(leaf) != expected["value"]:
+                return False
+            if isinstance(leaf, torch.Tensor) and "shape" in expected and list(leaf.shape) != expected["shape"]:
+                return False
+        if "dynamic" in self.entry:
+            tensors = [(list(leaf.shape), e["dims"]) for (_, leaf), e in zip(leaves, self.inputs, strict=True)
+                       if isinstance(leaf, torch.Tensor)]
+            ranges = self.entry["dynamic"]
+            return infer_size([d for _, d in tensors], [s for s, _ in tensors], ranges, ranges["stride"]) is not None
         return True
 
     def run(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
@@ -146,9 +154,13 @@ class CompiledVariant:
             if isinstance(leaf, torch.Tensor):
                 want = DTYPES.get(expected["dtype"], leaf.dtype) if leaf.is_floating_point() else leaf.dtype
                 leaf = leaf.to(device=device, dtype=want)
-                if list(leaf.stride()) != expected["stride"]:  # e.g. NHWC for a channels_last build
+                if "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
                     leaf = torch.empty_strided(expected["shape"], expected["stride"], dtype=want,
                                                device=device).copy_(leaf)
+                elif expected.get("layout") == "channels_last":
+                    leaf = leaf.contiguous(memory_format=torch.channels_last)
+                elif "layout" in expected:
+                    leaf = leaf.contiguous()
                 tensors.append(leaf)
         return pytree.tree_unflatten(self._run(tensors), self.out_spec)
 
@@ -214,7 +226,7 @@ class CompiledComponent(torch.nn.Module):
     def _coverage_message(self, args: tuple, kwargs: dict) -> str:
         shapes = [f"{leaf_name(p)} {list(x.shape)}" for p, x in pytree.tree_flatten_with_path((args, kwargs))[0]
                   if isinstance(x, torch.Tensor)]
-        covered = "; ".join(f"{_bucket_text(v.entry['bucket'])}" for v in self.variants)
+        covered = "; ".join(variant_coverage(v.entry) for v in self.variants)
         return (f"{self.component_name}: no compiled variant for inputs {', '.join(shapes)}; "
                 f"this artifact covers (batch x height x width): {covered}")
 
@@ -222,8 +234,14 @@ class CompiledComponent(torch.nn.Module):
         return f"{self.component_name}, variants={[v.name for v in self.variants]}"
 
 
-def _bucket_text(bucket: dict[str, int]) -> str:
-    return f"{bucket['batch']}x{bucket['height']}x{bucket['width']}"
+def variant_coverage(entry: dict[str, Any]) -> str:
+    """What shapes a variant serves: "2x64x96" for a bucket, ranges for the dynamic model."""
+    if "dynamic" in entry:
+        d = entry["dynamic"]
+        return (f"{d['batch'][0]}-{d['batch'][1]}x{d['height'][0]}-{d['height'][1]}x{d['width'][0]}-{d['width'][1]} "
+                f"(dynamic, multiples of {d['stride']} px)")
+    b = entry["bucket"]
+    return f"{b['batch']}x{b['height']}x{b['width']}"
 
 
 def _set_dotted(root: Any, dotted: str, value: Any) -> None:

@@ -20,7 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
-    "guidance_scale", "shapes", "components", "optimize", "inductor",
+    "guidance_scale", "shapes", "dynamic", "components", "optimize", "inductor",
 )
 REQUIRED_KEYS = ("name", "pipeline", "source", "device", "shapes", "components")
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -60,9 +60,17 @@ class Target:
     gpu: GpuSpec | None = None
     dtype: str = "float32"
     guidance_scale: float = 5.0
+    dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width": [min, max]}
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
     base_dir: Path = field(default=Path("."), compare=False)
+
+    @property
+    def stride(self) -> int:
+        """Height and width must be multiples of this many pixels."""
+        from .sources import pixel_stride
+
+        return pixel_stride(pipeline_spec(self.pipeline), self.source, self.base_dir)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved target as plain JSON data (no paths of this machine)."""
@@ -226,6 +234,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
+    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance) if "dynamic" in raw else None
+
     optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
     validate_optimize(optimize, origin=origin, device=device, gpu=gpu)
     inductor = _expect(origin, "inductor", raw.get("inductor", {}), dict, "a table")
@@ -238,6 +248,38 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
         components=tuple(components), description=str(raw.get("description", "")),
-        revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance,
+        revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, dynamic=dynamic,
         optimize=dict(optimize), inductor=dict(inductor), base_dir=base_dir,
     )
+
+
+def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: float) -> dict[str, list[int]]:
+    """[dynamic] batch/height/width = [min, max], in images and pixels."""
+    _expect(origin, "dynamic", table, dict, "a table {batch, height, width}")
+    if set(table) != {"batch", "height", "width"}:
+        raise TargetError(f"{origin}: key 'dynamic' needs exactly batch, height, width; got {sorted(table)}")
+    ranges = {}
+    for axis in ("batch", "height", "width"):
+        value = table[axis]
+        if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                    for v in value)):
+            raise TargetError(f"{origin}: key 'dynamic.{axis}' must be [min, max] integers, got {value!r}")
+        low, high = value
+        if not 1 <= low <= high:
+            raise TargetError(f"{origin}: key 'dynamic.{axis}' = {value} needs 1 <= min <= max")
+        if axis != "batch":
+            for bound in value:
+                if bound % stride:
+                    raise TargetError(f"{origin}: key 'dynamic.{axis}' bound {bound} is not a multiple of {stride}, "
+                                      f"the pixel stride of this model")
+        ranges[axis] = [low, high]
+    factor = 2 if guidance > 1 else 1
+    if spec.max_denoiser_batch and factor * ranges["batch"][1] > spec.max_denoiser_batch:
+        raise TargetError(
+            f"{origin}: key 'dynamic.batch' max {ranges['batch'][1]} gives a denoiser batch of "
+            f"{factor * ranges['batch'][1]}; {spec.class_name}'s must stay <= {spec.max_denoiser_batch} "
+            f"(diffusers' upsampling takes another path from batch 64)")
+    if ranges["height"] == [ranges["height"][0]] * 2 and ranges["width"] == [ranges["width"][0]] * 2 \
+            and ranges["batch"][0] == ranges["batch"][1]:
+        raise TargetError(f"{origin}: key 'dynamic' covers a single shape; make it a [[shapes]] bucket")
+    return ranges

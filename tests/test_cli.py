@@ -22,7 +22,8 @@ def test_inspect_shows_variants_files_and_numerics(built):
     result = invoke("inspect", str(built.folder))
     assert result.exit_code == 0
     for text in ("cpu-tiny-sdxl", "StableDiffusionXLPipeline", "random:tiny-sdxl seed=0", "b1_64x64",
-                 "batch 2, 64x96 px", "rel.err", "unet.pt2", "vae_decoder.safetensors", "compile"):
+                 "2x64x96", "1-3x32-96x32-96 (dynamic", "args[0]=[2*B, 4, H/2, W/2]", "rel.err", "unet.pt2",
+                 "vae_decoder.safetensors", "compile"):
         assert text in result.output
     as_json = invoke("inspect", "--json", str(built.folder))
     assert '"target_hash"' in as_json.output
@@ -69,6 +70,7 @@ def test_run_without_artifact_says_how_to_build(tmp_path):
 
 def test_run_at_an_uncovered_shape_is_one_line(built):
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--artifacts", str(built.artifacts),
-                                       "--prompt", "x", "--steps", "1", "--height", "32", "--width", "32"])
-    assert result.exit_code == 1 and "covers (batch x height x width): 1x64x64; 2x64x96" in result.output
+                                       "--prompt", "x", "--steps", "1", "--height", "128", "--width", "128"])
+    assert result.exit_code == 1
+    assert "covers (batch x height x width): 1x64x64; 2x64x96; 1-3x32-96x32-96 (dynamic" in result.output
     assert "Traceback" not in result.output

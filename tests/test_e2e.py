@@ -47,10 +47,11 @@ def test_build_writes_complete_artifact(built, tiny_target):
         assert any(s == stage for s, _ in built.progress)
     for name in ("unet", "vae_decoder"):
         entry = m["components"][name]
-        assert [v["name"] for v in entry["variants"]] == ["b1_64x64", "b2_64x96"]
+        assert [v["name"] for v in entry["variants"]] == ["b1_64x64", "b2_64x96", "dynamic"]
+        assert entry["variants"][2]["numerics"]["checked_at"] == ["1x32x32", "2x64x64", "3x96x96"]
         for variant in entry["variants"]:
             assert variant["numerics"]["max_rel_error"] <= variant["numerics"]["tolerance"] == 1e-3
-            assert all("shape" in i or "value" in i for i in variant["inputs"])
+            assert all("shape" in i or "dims" in i or "value" in i for i in variant["inputs"])
         assert entry["constants"]["count"] > 0
     unet_inputs = {i["path"]: i for i in m["components"]["unet"]["variants"][1]["inputs"]}
     assert unet_inputs["args[0]"]["shape"] == [4, 4, 32, 48]
@@ -145,16 +146,16 @@ def test_weights_are_really_bound_at_load(artifact_copy, tiny_target):
 
 def test_uncovered_shape_is_a_clear_error(built):
     pipe = aotbuild.load_pipeline(built.folder)
-    with pytest.raises(ShapeNotSupportedError, match=r"unet: no compiled variant for inputs args\[0\] \[2, 4, 16, 16\]"
-                       r".*covers \(batch x height x width\): 1x64x64; 2x64x96"):
-        generate(pipe, ShapeBucket(1, 32, 32))
+    with pytest.raises(ShapeNotSupportedError, match=r"unet: no compiled variant for inputs args\[0\] \[2, 4, 64, 64\]"
+                       r".*covers \(batch x height x width\): 1x64x64; 2x64x96; 1-3x32-96x32-96 \(dynamic"):
+        generate(pipe, ShapeBucket(1, 128, 128))
 
 
 def test_eager_fallback_only_when_asked(built, tiny_target):
     pipe = aotbuild.apply(eager_pipeline(tiny_target), built.folder, eager_fallback=True)
-    expected = generate(eager_pipeline(tiny_target), ShapeBucket(1, 32, 32))
+    expected = generate(eager_pipeline(tiny_target), ShapeBucket(1, 128, 128))
     with pytest.warns(UserWarning, match="no compiled variant.*running eager"):
-        images = generate(pipe, ShapeBucket(1, 32, 32))
+        images = generate(pipe, ShapeBucket(1, 128, 128))
     assert pipe.unet.last_variant == "eager"
     np.testing.assert_allclose(images, expected, atol=IMAGE_ATOL, rtol=0)
 

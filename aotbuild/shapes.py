@@ -1,0 +1,144 @@
+"""Dynamic shapes: how each input dim of a component follows the pipeline's (batch, height, width),
+inferred from real captures rather than written per model, turned into torch.export Dims, and
+checked again by the runtime (AOTInductor checks no input shape itself).
+
+A dim is one of:
+  int                                   static
+  {"axis": "batch", "factor": k}        k x images (k = 2 under classifier-free guidance)
+  {"axis": "height"|"width", "pixels": f, "multiple": m}
+                                        pixels / f, a multiple of m (m = stride / f)
+  {"axis": "tokens", "min": a, "max": b}
+                                        a sequence over height x width (Flux's packed latents)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import BuildError
+
+AXES = ("batch", "height", "width")
+
+
+def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, int, int]]:
+    """(batch, height, width) points to capture: a base point away from 1 and from the range edges
+    where possible (export specializes a dim of size 1), and one point per axis moving that axis."""
+
+    def two_values(low: int, high: int, step: int) -> tuple[int, int]:
+        values = list(range(low, high + 1, step))
+        inner = [v for v in values if v != 1] or values
+        base = inner[(len(inner) - 1) // 2]
+        other = next((v for v in values if v != base and v != 1), base)
+        return base, other
+
+    b0, b1 = two_values(*ranges["batch"], 1)
+    h0, h1 = two_values(*ranges["height"], stride)
+    w0, w1 = two_values(*ranges["width"], stride)
+    return {"base": (b0, h0, w0), "batch": (b1, h0, w0), "height": (b0, h1, w0), "width": (b0, h0, w1)}
+
+
+def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[int]]],
+             points: dict[str, tuple[int, int, int]], stride: int) -> list[list[Any]]:
+    """Per tensor leaf, per dim: how it follows (batch, height, width).
+
+    Args:
+        probes: leaf shapes captured at each of `points` ("base", "batch", "height", "width").
+        corners: leaf shapes at the range's "min" and "max" corners (for token ranges).
+        points: the (batch, height, width) of each probe.
+        stride: the pipeline's pixel stride.
+    """
+    result = []
+    for leaf, base_shape in enumerate(probes["base"]):
+        dims: list[Any] = []
+        for d, value in enumerate(base_shape):
+            moved = [axis for axis in AXES if probes[axis][leaf][d] != value]
+            if not moved:
+                dims.append(value)
+            elif moved == ["batch"]:
+                dims.append(_proportional(value, probes["batch"][leaf][d], points, 0, "batch", stride))
+            elif moved in (["height"], ["width"]):
+                index = AXES.index(moved[0])
+                dims.append(_proportional(value, probes[moved[0]][leaf][d], points, index, moved[0], stride))
+            elif moved == ["height", "width"]:
+                dims.append({"axis": "tokens", "min": corners["min"][leaf][d], "max": corners["max"][leaf][d]})
+            else:
+                raise BuildError(f"input {leaf} dim {d} changes with {' and '.join(moved)}: no dynamic form for that")
+        result.append(dims)
+    return result
+
+
+def _proportional(value: int, moved_value: int, points: dict, index: int, axis: str, stride: int) -> dict:
+    base, moved = points["base"][index], points[axis][index]
+    if axis == "batch":
+        factor, remainder = divmod(value, base)
+        if remainder or factor * moved != moved_value:
+            raise BuildError(f"a dim following batch is {value} at batch {base} and {moved_value} at {moved}")
+        return {"axis": "batch", "factor": factor}
+    pixels, remainder = divmod(base, value)
+    if remainder or moved // pixels != moved_value or stride % pixels:
+        raise BuildError(f"a dim following {axis} is {value} at {base} px and {moved_value} at {moved} px")
+    return {"axis": axis, "pixels": pixels, "multiple": stride // pixels}
+
+
+def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, dims: list[list[Any]],
+                          ranges: dict[str, list[int]], stride: int) -> dict[str, Any]:
+    """The `dynamic_shapes` argument of torch.export for this call, keyed by parameter name."""
+    from torch.export import Dim
+
+    roots = {"batch": Dim("batch", min=ranges["batch"][0], max=ranges["batch"][1])}
+    for axis in ("height", "width"):
+        roots[axis] = Dim(axis, min=ranges[axis][0] // stride, max=ranges[axis][1] // stride)
+    tokens = iter(range(1_000_000))
+
+    def dim_expr(dim: Any) -> Any:
+        if dim["axis"] == "batch":
+            return roots["batch"] * dim["factor"] if dim["factor"] != 1 else roots["batch"]
+        if dim["axis"] == "tokens":
+            return Dim(f"tokens{next(tokens)}", min=dim["min"], max=dim["max"])
+        return roots[dim["axis"]] * dim["multiple"] if dim["multiple"] != 1 else roots[dim["axis"]]
+
+    leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+    tensor_dims = iter(dims)
+    per_leaf = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            leaf_dims = next(tensor_dims)
+            per_leaf.append({i: dim_expr(d) for i, d in enumerate(leaf_dims) if isinstance(d, dict)} or None)
+        else:
+            per_leaf.append(None)
+    shaped_args, shaped_kwargs = pytree.tree_unflatten(per_leaf, spec)
+    bound = inspect.signature(module.forward).bind(*shaped_args, **shaped_kwargs)
+    return dict(bound.arguments)
+
+
+def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str, list[int]],
+               stride: int) -> dict[str, int] | None:
+    """The (batch, height, width) these tensor shapes stand for, or None when they are not a
+    consistent point inside the ranges (the runtime's check before calling a dynamic model)."""
+    found: dict[str, int] = {}
+    for leaf_dims, shape in zip(dims, shapes, strict=True):
+        if len(leaf_dims) != len(shape):
+            return None
+        for dim, value in zip(leaf_dims, shape, strict=True):
+            if isinstance(dim, int):
+                if value != dim:
+                    return None
+            elif dim["axis"] == "tokens":
+                if not dim["min"] <= value <= dim["max"]:
+                    return None
+            else:
+                unit = dim["factor"] if dim["axis"] == "batch" else dim["multiple"]
+                if value % unit:
+                    return None
+                size = value // dim["factor"] if dim["axis"] == "batch" else value * dim["pixels"]
+                if found.setdefault(dim["axis"], size) != size:
+                    return None
+    for axis, size in found.items():
+        low, high = ranges[axis]
+        if not low <= size <= high or (axis != "batch" and size % stride):
+            return None
+    return found

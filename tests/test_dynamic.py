@@ -1,0 +1,98 @@
+"""Dynamic shapes: dims inferred from real captures, one dynamic model per component serving a
+range, dispatch bucket-first, and clear refusals outside the range."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aotbuild
+from aotbuild.errors import ShapeNotSupportedError, TargetError
+from aotbuild.shapes import classify, infer_size, probe_points
+from aotbuild.targets import ShapeBucket, load_target
+
+from .conftest import TARGETS, eager_pipeline, generate
+from .test_targets import GOOD, write_target
+
+RANGES = {"batch": [1, 3], "height": [32, 96], "width": [32, 96]}
+UNET_DIMS = [[{"axis": "batch", "factor": 2}, 4, {"axis": "height", "pixels": 2, "multiple": 2},
+              {"axis": "width", "pixels": 2, "multiple": 2}], []]
+
+
+def test_probe_points_avoid_size_one_and_move_one_axis_each():
+    points = probe_points(RANGES, 4)
+    b0, h0, w0 = points["base"]
+    assert b0 == 2 and 32 < h0 < 96 and h0 % 4 == 0
+    assert points["batch"][1:] == (h0, w0) and points["batch"][0] != b0
+    assert points["height"][0::2] == (b0, w0) and points["height"][1] != h0
+    assert points["width"][:2] == (b0, h0) and points["width"][2] != w0
+
+
+def test_classify_finds_guidance_batch_latent_dims_and_token_sequences():
+    points = {"base": (2, 64, 64), "batch": (3, 64, 64), "height": (2, 32, 64), "width": (2, 64, 96)}
+
+    def shapes(b, h, w):  # a UNet sample, a 0-d timestep, and Flux-like packed tokens
+        return [[2 * b, 4, h // 2, w // 2], [], [b, (h // 4) * (w // 4), 16]]
+
+    probes = {name: shapes(*p) for name, p in points.items()}
+    corners = {"min": shapes(1, 32, 32), "max": shapes(3, 96, 96)}
+    dims = classify(probes, corners, points, stride=4)
+    assert dims[:2] == UNET_DIMS
+    assert dims[2] == [{"axis": "batch", "factor": 1}, {"axis": "tokens", "min": 64, "max": 576}, 16]
+
+
+@pytest.mark.parametrize(("shape", "expected"), [
+    ([2, 4, 16, 16], {"batch": 1, "height": 32, "width": 32}),
+    ([6, 4, 48, 48], {"batch": 3, "height": 96, "width": 96}),
+    ([4, 4, 18, 30], {"batch": 2, "height": 36, "width": 60}),
+    ([8, 4, 16, 16], None),   # batch 4 > 3
+    ([3, 4, 16, 16], None),   # odd: not 2 x images
+    ([2, 4, 50, 16], None),   # 100 px > 96
+    ([2, 4, 17, 16], None),   # 34 px: not a multiple of the 4 px stride
+    ([2, 4, 16], None),       # wrong rank
+])
+def test_runtime_size_check(shape, expected):
+    assert infer_size(UNET_DIMS, [shape, []], RANGES, 4) == expected
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("[dynamic]\nbatch = [1, 2]\nheight = [32, 66]\nwidth = [32, 64]\n",
+     r"'dynamic.height' bound 66 is not a multiple of 4"),
+    ("[dynamic]\nbatch = [3, 2]\nheight = [32, 64]\nwidth = [32, 64]\n",
+     r"'dynamic.batch' = \[3, 2\] needs 1 <= min <= max"),
+    ("[dynamic]\nbatch = [1, 40]\nheight = [32, 64]\nwidth = [32, 64]\n", r"denoiser batch of 80.*<= 63"),
+    ("[dynamic]\nbatch = [1, 2]\nheight = [32, 64]\n", r"'dynamic' needs exactly batch, height, width"),
+    ("[dynamic]\nbatch = 2\nheight = [32, 64]\nwidth = [32, 64]\n", r"'dynamic.batch' must be \[min, max\]"),
+])
+def test_invalid_ranges_are_target_errors(tmp_path, extra, message):
+    with pytest.raises(TargetError, match=message):
+        load_target(write_target(tmp_path, GOOD + extra))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket", [ShapeBucket(1, 32, 32), ShapeBucket(3, 96, 96), ShapeBucket(2, 48, 80)], ids=str)
+def test_dynamic_model_serves_range_edges_and_inside(built, tiny_target, bucket):
+    pipe = aotbuild.load_pipeline(built.folder)
+    images = generate(pipe, bucket)
+    assert pipe.unet.last_variant == pipe.vae.last_variant == "dynamic"
+    np.testing.assert_allclose(images, generate(eager_pipeline(tiny_target), bucket), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_bucket_wins_over_dynamic_when_both_cover(built):
+    pipe = aotbuild.load_pipeline(built.folder)
+    generate(pipe, ShapeBucket(2, 64, 96))  # also inside the dynamic range
+    assert pipe.unet.last_variant == "b2_64x96"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket", [ShapeBucket(4, 64, 64), ShapeBucket(1, 104, 64), ShapeBucket(1, 64, 24)], ids=str)
+def test_just_outside_the_range_is_refused(built, bucket):
+    pipe = aotbuild.load_pipeline(built.folder)
+    with pytest.raises(ShapeNotSupportedError, match=r"1-3x32-96x32-96 \(dynamic, multiples of 4 px\)"):
+        generate(pipe, bucket)
+
+
+def test_flux_target_declares_a_dynamic_range():
+    target = load_target(TARGETS / "cpu-tiny-flux.toml")
+    assert target.dynamic == {"batch": [1, 2], "height": [32, 96], "width": [32, 96]} and target.stride == 4
