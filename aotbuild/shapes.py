@@ -32,7 +32,8 @@ def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[i
         values = list(range(low, high + 1, step))
         inner = [v for v in values if v != 1] or values
         base = inner[(len(inner) - 1) // 2]
-        other = next((v for v in values if v != base and v != 1), base)
+        others = [v for v in values if v != base]
+        other = next((v for v in others if v != 1), others[0] if others else base)
         return base, other
 
     b0, b1 = two_values(*ranges["batch"], 1)
@@ -92,13 +93,14 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, di
     roots = {"batch": Dim("batch", min=ranges["batch"][0], max=ranges["batch"][1])}
     for axis in ("height", "width"):
         roots[axis] = Dim(axis, min=ranges[axis][0] // stride, max=ranges[axis][1] // stride)
-    tokens = iter(range(1_000_000))
+    tokens: dict[tuple[int, int], Any] = {}  # token dims over the same range are one sequence (Flux ids)
 
     def dim_expr(dim: Any) -> Any:
         if dim["axis"] == "batch":
             return roots["batch"] * dim["factor"] if dim["factor"] != 1 else roots["batch"]
         if dim["axis"] == "tokens":
-            return Dim(f"tokens{next(tokens)}", min=dim["min"], max=dim["max"])
+            key = (dim["min"], dim["max"])
+            return tokens.setdefault(key, Dim(f"tokens{len(tokens)}", min=dim["min"], max=dim["max"]))
         return roots[dim["axis"]] * dim["multiple"] if dim["multiple"] != 1 else roots[dim["axis"]]
 
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
@@ -119,7 +121,7 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
                stride: int) -> dict[str, int] | None:
     """The (batch, height, width) these tensor shapes stand for, or None when they are not a
     consistent point inside the ranges (the runtime's check before calling a dynamic model)."""
-    found: dict[str, int] = {}
+    found: dict[Any, int] = {}
     for leaf_dims, shape in zip(dims, shapes, strict=True):
         if len(leaf_dims) != len(shape):
             return None
@@ -128,7 +130,8 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
                 if value != dim:
                     return None
             elif dim["axis"] == "tokens":
-                if not dim["min"] <= value <= dim["max"]:
+                key = ("tokens", dim["min"], dim["max"])
+                if not dim["min"] <= value <= dim["max"] or found.setdefault(key, value) != value:
                     return None
             else:
                 unit = dim["factor"] if dim["axis"] == "batch" else dim["multiple"]
@@ -137,8 +140,9 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
                 size = value // dim["factor"] if dim["axis"] == "batch" else value * dim["pixels"]
                 if found.setdefault(dim["axis"], size) != size:
                     return None
-    for axis, size in found.items():
+    sizes = {axis: found[axis] for axis in AXES if axis in found}
+    for axis, size in sizes.items():
         low, high = ranges[axis]
         if not low <= size <= high or (axis != "batch" and size % stride):
             return None
-    return found
+    return sizes

@@ -96,3 +96,9 @@ def test_just_outside_the_range_is_refused(built, bucket):
 def test_flux_target_declares_a_dynamic_range():
     target = load_target(TARGETS / "cpu-tiny-flux.toml")
     assert target.dynamic == {"batch": [1, 2], "height": [32, 96], "width": [32, 96]} and target.stride == 4
+
+
+def test_probe_moves_batch_even_when_the_only_other_value_is_one():
+    points = probe_points({"batch": [1, 2], "height": [32, 32], "width": [32, 96]}, 4)
+    assert points["base"][0] == 2 and points["batch"][0] == 1
+    assert points["height"][1] == points["base"][1] == 32  # a fixed axis stays put
