@@ -29,8 +29,9 @@ _LAZY = {
 }
 
 __all__ = [
-    "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "IncompatibleArtifactError",
-    "NumericsError", "ShapeNotSupportedError", "SourceError", "TargetError", *_LAZY, "__version__",
+    "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "HubError", "IncompatibleArtifactError",
+    "NoMatchingVariantError", "NumericsError", "ShapeNotSupportedError", "SourceError", "TargetError", *_LAZY,
+    "__version__",
 ]
 
 

@@ -22,6 +22,9 @@ from typing import Any
 from .errors import AotbuildError
 
 CASES = ("eager", "compile", "compile-cached", "aot")
+# Opt-in: the same artifact served by its dynamic model only, at the first bucket's shape (the
+# cost of dynamism next to the static bucket).
+EXTRA_CASES = ("aot-dynamic",)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -107,9 +110,11 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
 
     target = load_target(target_path)
     target_path = str(target.base_dir / f"{target.name}.toml")  # workers resolve the same file
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in CASES + EXTRA_CASES]
     if unknown:
-        raise AotbuildError(f"unknown bench case {unknown[0]!r}; known: {', '.join(CASES)}")
+        raise AotbuildError(f"unknown bench case {unknown[0]!r}; known: {', '.join(CASES + EXTRA_CASES)}")
+    if "aot-dynamic" in cases and not target.dynamic:
+        raise AotbuildError(f"case aot-dynamic needs a target with [dynamic]; {target.name} has none")
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
     folder = artifacts_dir / target.name
@@ -161,7 +166,7 @@ def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, st
     # Each process gets an empty inductor cache: `compile` pays its real cold cost, and
     # `compile-cached` starts from the mega-cache alone. Artifacts are read from a cold page cache.
     artifact = artifacts_dir / Path(target_path).stem
-    if case == "aot":
+    if case.startswith("aot"):
         drop_page_cache([p for p in artifact.rglob("*") if p.is_file()])
     cache_dir = tempfile.mkdtemp(prefix="inductor-", dir=work)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
@@ -238,7 +243,12 @@ def _worker(args: argparse.Namespace) -> None:
     import diffusers  # noqa: F401  (imported before the clock: load_s is loading, not importing)
 
     rss_before, load_start = _rss_mib(), time.perf_counter()
-    pipe = prepare(target, "compile" if args.case == "compile-cached" else args.case, Path(args.artifacts))
+    backend = {"compile-cached": "compile", "aot-dynamic": "aot"}.get(args.case, args.case)
+    pipe = prepare(target, backend, Path(args.artifacts))
+    if args.case == "aot-dynamic":
+        for component in pipe.components.values():
+            if hasattr(component, "variants"):
+                component.variants = [v for v in component.variants if v.name == "dynamic"]
     figures: dict[str, Any] = {"ready_s": since_spawn(), "load_s": time.perf_counter() - load_start,
                                "load_rss_mib": _rss_mib() - rss_before, "weights_mib": _weights_mib(pipe)}
 
@@ -262,7 +272,7 @@ def _worker(args: argparse.Namespace) -> None:
     figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     figures["artifact_mib"] = None
     figures["weights_read_s"] = None
-    if args.case == "aot":
+    if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
         figures["weights_read_s"] = _cold_read_s(sorted(artifact.glob("*.safetensors")))
     Path(args.out).write_text(json.dumps(figures))
@@ -270,7 +280,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one aotbuild bench worker (spawned by `aotbuild bench`)")
-    parser.add_argument("--case", choices=CASES, required=True)
+    parser.add_argument("--case", choices=CASES + EXTRA_CASES, required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--artifacts", required=True)
     parser.add_argument("--steps", type=int, required=True)

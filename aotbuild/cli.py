@@ -101,27 +101,84 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
                f"({steps} steps, {len(gen.images)} image(s))")
 
 
+def _local_artifact(artifact: str) -> tuple[Path, str]:
+    """(folder, origin line) for a folder or an hf:// spec (resolved into the HF cache)."""
+    if artifact.startswith("hf://"):
+        from .hub import resolve
+
+        found = resolve(artifact)
+        return found.folder, (f"hub        {found.repo_id}@{found.commit} (asked: {found.revision or 'main'}), "
+                              f"variant {found.variant}")
+    return Path(artifact), ""
+
+
 @main.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("artifact")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
-def inspect(artifact: Path, as_json: bool) -> None:
-    """Show an artifact's manifest."""
+def inspect(artifact: str, as_json: bool) -> None:
+    """Show an artifact's manifest (a folder or hf://org/name[@revision])."""
     from .manifest import read_manifest
 
-    manifest = read_manifest(artifact)
-    click.echo(json.dumps(manifest, indent=2) if as_json else _summary(artifact, manifest))
+    folder, origin = _local_artifact(artifact)
+    manifest = read_manifest(folder)
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+    else:
+        click.echo(_summary(folder, manifest) + (f"\n{origin}" if origin else ""))
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
-def verify(artifact: Path) -> None:
+@click.argument("artifact")
+def verify(artifact: str) -> None:
     """Check hashes and fit to this machine; exits non-zero on any problem."""
     from .manifest import check_compatible, read_manifest, verify_files
 
-    manifest = read_manifest(artifact)
-    verify_files(artifact, manifest)
+    folder, _ = _local_artifact(artifact)
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest)
     check_compatible(manifest)
     click.echo(f"{artifact}: ok ({len(manifest['files'])} files verified, fits this machine)")
+
+
+@main.command()
+@click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
+@click.option("--repo", "repo_id", required=True, help="Hub repo, org/name (created if missing)")
+@click.option("--revision", help="branch to commit to (created if missing)")
+@click.option("--private", is_flag=True, help="create the repo private")
+@click.option("--create-pr", is_flag=True, help="open a pull request instead of committing to the branch")
+@click.option("--dry-run", is_flag=True, help="list the operations of the commit, upload nothing")
+@click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              help=ARTIFACTS_HELP)
+def push(target_name: str, repo_id: str, revision: str | None, private: bool, create_pr: bool, dry_run: bool,
+         artifacts: Path) -> None:
+    """Upload artifacts/<target>/ to the Hub as one variant, in one commit (index and card included)."""
+    from .hub import parse_repo
+    from .hub import push as run_push
+    from .targets import load_target
+
+    target = load_target(target_name)
+    repo_id, _ = parse_repo(repo_id)
+    result = run_push(artifacts / target.name, repo_id, revision=revision, private=private, create_pr=create_pr,
+                      dry_run=dry_run)
+    for operation in result.operations:
+        click.echo(f"  {operation}")
+    if dry_run:
+        click.echo(f"dry run: {len(result.operations)} operations for {repo_id}/{result.path}, nothing uploaded")
+    else:
+        click.echo(f"pushed {result.path} to {repo_id}: {result.pr_url or result.commit_url}")
+
+
+@main.command()
+@click.argument("repo")
+@click.option("--variant", help="variant path (target/torchX.Y-...) instead of the one fitting this machine")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="device type to fit (default: this machine's)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="only a variant of this dtype")
+def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) -> None:
+    """Download the variant of REPO (org/name[@revision]) that fits this machine into the HF cache."""
+    from .hub import resolve
+
+    found = resolve(repo, variant=variant, device=device, dtype=dtype)
+    click.echo(f"{found.repo_id}@{found.commit} {found.variant}: {found.folder}")
 
 
 @main.command()
@@ -130,7 +187,7 @@ def verify(artifact: Path) -> None:
 @click.option("--steps", type=click.IntRange(2), default=4, show_default=True, help="denoising steps per image")
 @click.option("--steady", type=click.IntRange(1), default=3, show_default=True, help="steady images per process")
 @click.option("--cases", default=",".join(("eager", "compile", "compile-cached", "aot")), show_default=True,
-              help="comma-separated cases")
+              help="comma-separated cases; aot-dynamic (the dynamic model at the first bucket's shape) on request")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)

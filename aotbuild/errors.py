@@ -53,3 +53,11 @@ class CorruptArtifactError(ArtifactError):
 
 class ShapeNotSupportedError(AotbuildError):
     """A call's input shapes match no compiled variant."""
+
+
+class HubError(AotbuildError):
+    """A Hub request failed (network, auth, missing repo or revision)."""
+
+
+class NoMatchingVariantError(AotbuildError):
+    """A Hub repo holds no artifact variant that fits this machine."""

@@ -307,6 +307,16 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     return manifest, modules
 
 
+def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None) -> Path:
+    """A local artifact folder; `hf://org/name[@revision]` is resolved to the fitting variant in the
+    HF cache first (downloading only that variant, hashes checked)."""
+    if isinstance(artifact, str) and artifact.startswith("hf://"):
+        from .hub import resolve
+
+        return resolve(artifact, device=device, dtype=dtype).folder
+    return Path(artifact)
+
+
 def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False) -> Any:
     """Swap an artifact's compiled components into a pipeline the user already has.
 
@@ -316,13 +326,14 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = Fals
     Returns:
         The same pipeline, modified in place.
     """
-    manifest = read_manifest(Path(artifact))
+    device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
+    artifact = artifact_folder(artifact, device=device.type if device is not None else None)
+    manifest = read_manifest(artifact)
     if type(pipe).__name__ != manifest["target"]["pipeline"]:
         raise AotbuildError(f"artifact is for {manifest['target']['pipeline']}, not {type(pipe).__name__}")
     eager = None
     if eager_fallback:
         eager = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
-    device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
     _, modules = load_components(artifact, device=device, eager=eager)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
@@ -330,7 +341,8 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = Fals
 
 
 def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None) -> Any:
-    """Build the artifact's pipeline with its compiled components plugged in.
+    """Build the artifact's pipeline with its compiled components plugged in. `artifact` is a folder
+    or `hf://org/name[@revision]`.
 
     The original weights of compiled components are never loaded; the other components come from
     the manifest's source (the Hub at the pinned revision, a local folder, or the artifact's own
@@ -342,7 +354,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     from .sources import SOURCE_DIRNAME, assemble_pipeline, is_random, resolve_folder
     from .sources import load_components as load_source_components
 
-    folder = Path(artifact)
+    folder = artifact_folder(artifact, device=device, dtype=dtype)
     manifest, modules = load_components(folder, device=device, dtype=dtype)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])

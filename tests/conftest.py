@@ -14,8 +14,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ROOT / "targets"
-# Extracted packages go to a throwaway cache, not the user's ~/.cache (subprocesses inherit this).
+# Caches go to throwaway folders, not the user's ~/.cache (subprocesses inherit these). Set before
+# huggingface_hub is imported: it reads HF_HOME once. Xet is off: the test Hub speaks plain LFS.
 os.environ["AOTBUILD_CACHE"] = tempfile.mkdtemp(prefix="aotbuild-test-cache-")
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="aotbuild-test-hf-")
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
 
 @pytest.fixture(scope="session")

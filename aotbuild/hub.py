@@ -1,0 +1,250 @@
+"""Publish and fetch artifacts on the Hugging Face Hub.
+
+One repo holds many variants, each in `<target>/<variant>/` where the variant names the torch
+release and machine (`torch2.13-cu128-sm90`, `torch2.13-cpu-x86_64-avx512`); `index.json` at the
+root lists every variant with its fingerprint, and `README.md` is a generated model card. A push
+is exactly one commit (files, index and card together); a pull downloads only the variant that
+fits this machine into the standard HF cache. Tokens come from huggingface_hub's usual places and
+are never printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import AotbuildError, HubError, IncompatibleArtifactError, NoMatchingVariantError
+from .manifest import MANIFEST_NAME, check_compatible, environment, read_manifest, verify_files
+
+INDEX_NAME = "index.json"
+CARD_NAME = "README.md"
+HF_PREFIX = "hf://"
+
+
+def is_hub_spec(spec: str | os.PathLike) -> bool:
+    return isinstance(spec, str) and spec.startswith(HF_PREFIX)
+
+
+def parse_repo(spec: str) -> tuple[str, str | None]:
+    """"hf://org/name@rev" or "org/name@rev" -> ("org/name", "rev" or None)."""
+    text = spec[len(HF_PREFIX):] if spec.startswith(HF_PREFIX) else spec
+    repo_id, _, revision = text.partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise AotbuildError(f"{spec!r} is not a Hub repo; expected org/name[@revision]")
+    return repo_id, revision or None
+
+
+def variant_id(env: dict[str, Any]) -> str:
+    """The folder name of an environment: torch release and machine kind."""
+    torch_mm = ".".join(env["torch"].split("+")[0].split(".")[:2])
+    if env["device_type"] == "cuda":
+        cuda = (env.get("cuda") or "unknown").replace(".", "")
+        return f"torch{torch_mm}-cu{cuda}-sm{env.get('gpu_capability', '?').replace('.', '')}"
+    machine = env["platform"].split("-", 1)[-1]
+    return f"torch{torch_mm}-cpu-{machine}-{env['cpu_isa'].lower()}"
+
+
+def index_entry(path: str, manifest: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, Any]:
+    """What index.json says of one variant: enough to choose it without downloading it."""
+    target = manifest["target"]
+    worst = max((v.get("numerics", {}).get("max_rel_error", 0.0) for c in manifest["components"].values()
+                 for v in c["variants"]), default=None)
+    entry = {
+        "path": path, "target": target["name"], "pipeline": target["pipeline"], "dtype": target["dtype"],
+        "source": manifest["source"], "environment": manifest["environment"],
+        "shapes": [f"{s['batch']}x{s['height']}x{s['width']}" for s in target["shapes"]],
+        "dynamic": target.get("dynamic"), "recipe": sorted(target["optimize"]),
+        "max_rel_error": worst, "aotbuild": manifest["aotbuild"],
+    }
+    if bench:
+        aot = bench.get("summary", {}).get("aot", {})
+        entry["bench"] = {k: aot.get(k, {}).get("median") for k in ("first_image_s", "steady_step_s", "peak_rss_mib")}
+    return entry
+
+
+def model_card(repo_id: str, index: dict[str, Any]) -> str:
+    """A README.md for the repo: metadata, a table of variants, usage."""
+    variants = index["variants"]
+    pipelines = sorted({v["pipeline"] for v in variants})
+    sources = sorted({v["source"]["id"] for v in variants if "/" in v["source"]["id"]
+                      and not v["source"]["id"].startswith(("random:", "/", "."))})
+    tags = ["aotbuild", "aotinductor", "torch-export", "diffusers", *pipelines]
+    lines = ["---", "library_name: aotbuild", "tags:", *[f"- {t}" for t in tags]]
+    if sources:
+        lines += ["base_model:", *[f"- {s}" for s in sources]]
+    lines += ["---", "", f"# {repo_id}", "",
+              "Ahead-of-time compiled (torch.export + AOTInductor) diffusers components built with aotbuild. "
+              "Each folder is one variant for one target, torch release and machine; `index.json` lists them.",
+              "", "| variant | pipeline | device | torch | dtype | shapes | recipe | max rel. error | "
+              "first image (s) | steady step (s) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for v in variants:
+        env, bench = v["environment"], v.get("bench") or {}
+        device = f"{env.get('gpu_name', 'cuda')} sm{env.get('gpu_capability')}" if env["device_type"] == "cuda" \
+            else f"cpu {env['cpu_isa']}"
+        shapes = ", ".join(v["shapes"]) + (" + dynamic" if v.get("dynamic") else "")
+
+        def num(x: Any) -> str:
+            return "-" if x is None else f"{x:.3g}"
+
+        lines.append(f"| `{v['path']}` | {v['pipeline']} | {device} | {env['torch']} | {v['dtype']} | {shapes} | "
+                     f"{', '.join(['dtype', *v['recipe']])} | {num(v['max_rel_error'])} | "
+                     f"{num(bench.get('first_image_s'))} | {num(bench.get('steady_step_s'))} |")
+    lines += ["", "## Usage", "", "```python", "import aotbuild", "",
+              f'pipe = aotbuild.load_pipeline("hf://{repo_id}")  # picks the variant that fits this machine',
+              'image = pipe("a red fox in the snow").images[0]', "```", "",
+              f"or `aotbuild pull {repo_id}` to download the fitting variant into the Hugging Face cache.", ""]
+    return "\n".join(lines)
+
+
+@dataclass
+class PushResult:
+    repo_id: str
+    path: str
+    operations: list[str] = field(default_factory=list)
+    commit_url: str | None = None
+    pr_url: str | None = None
+
+
+def _api(token: str | None = None) -> Any:
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
+
+
+def _hub_error(action: str, exc: Exception) -> HubError:
+    # huggingface_hub messages carry the URL and server message, never the token.
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return HubError(f"{action} failed: {first_line}")
+
+
+def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None, private: bool = False,
+         create_pr: bool = False, dry_run: bool = False, token: str | None = None) -> PushResult:
+    """Upload one artifact folder as one variant, with index.json and README.md, in one commit.
+
+    Raises:
+        CorruptArtifactError: the folder fails its own hashes (nothing is uploaded).
+        HubError: a Hub request failed; no commit was made.
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RevisionNotFoundError
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest)
+    path = f"{manifest['target']['name']}/{variant_id(manifest['environment'])}"
+    bench_file = folder / "bench.json"
+    bench = json.loads(bench_file.read_text()) if bench_file.is_file() else None
+    local = [MANIFEST_NAME, *manifest["files"]] + (["bench.json"] if bench else [])
+    api = _api(token)
+    try:
+        if not dry_run:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if revision:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+        try:
+            remote = api.list_repo_files(repo_id, revision=revision)
+            index_path = api.hf_hub_download(repo_id, INDEX_NAME, revision=revision)
+            index = json.loads(Path(index_path).read_text())
+        except (EntryNotFoundError, RevisionNotFoundError):
+            remote, index = [], {"variants": []}
+        except HfHubHTTPError as exc:  # a repo that does not exist yet (dry run)
+            if not dry_run or getattr(exc.response, "status_code", None) != 404:
+                raise
+            remote, index = [], {"variants": []}
+        index["variants"] = sorted([v for v in index["variants"] if v["path"] != path]
+                                   + [index_entry(path, manifest, bench)], key=lambda v: v["path"])
+        operations: list[Any] = [CommitOperationAdd(f"{path}/{rel}", str(folder / rel)) for rel in local]
+        operations += [CommitOperationDelete(f) for f in remote if f.startswith(path + "/")
+                       and f[len(path) + 1:] not in local]
+        operations += [
+            CommitOperationAdd(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode()),
+            CommitOperationAdd(CARD_NAME, model_card(repo_id, index).encode()),
+        ]
+        result = PushResult(repo_id, path, [_describe(op) for op in operations])
+        if dry_run:
+            return result
+        description = (f"{manifest['target']['name']} built by aotbuild {manifest['aotbuild']} "
+                       f"with torch {manifest['environment']['torch']}")
+        info = api.create_commit(repo_id, operations, commit_message=f"aotbuild: {path}",
+                                 commit_description=description, revision=revision, create_pr=create_pr)
+    except HfHubHTTPError as exc:
+        raise _hub_error(f"push to {repo_id}", exc) from None
+    result.commit_url, result.pr_url = info.commit_url, info.pr_url
+    return result
+
+
+def _describe(op: Any) -> str:
+    if type(op).__name__ == "CommitOperationDelete":
+        return f"delete {op.path_in_repo}"
+    return f"add {op.path_in_repo} ({op.upload_info.size} bytes)"
+
+
+@dataclass
+class Resolved:
+    """A Hub variant downloaded into the HF cache."""
+
+    folder: Path
+    repo_id: str
+    revision: str | None
+    commit: str
+    variant: str
+
+
+def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = None,
+                   variant: str | None = None) -> dict[str, Any]:
+    """The index entry to use here: the one named, else the first that fits this machine (an exact
+    CPU ISA match before a weaker one).
+
+    Raises:
+        NoMatchingVariantError: listing what the repo has and what this machine is.
+    """
+    entries = index.get("variants", [])
+    if variant:
+        chosen = [v for v in entries if v["path"] == variant or v["path"].endswith("/" + variant)]
+        if not chosen:
+            raise NoMatchingVariantError(f"no variant {variant!r}; the repo has: "
+                                         f"{', '.join(v['path'] for v in entries) or 'nothing'}")
+        return chosen[0]
+    here = environment(device)
+    fitting = []
+    for entry in entries:
+        try:
+            check_compatible({"environment": entry["environment"], "target": {"dtype": entry["dtype"]}},
+                             device=device, dtype=dtype)
+        except IncompatibleArtifactError:
+            continue
+        fitting.append(entry)
+    if not fitting:
+        available = ", ".join(f"{v['path']} (torch {v['environment']['torch']}, {v['dtype']})" for v in entries)
+        wanted = f"{variant_id(here)}, torch {here['torch']}" + (f", {dtype}" if dtype else "")
+        raise NoMatchingVariantError(f"no variant fits this machine ({wanted}); the repo has: {available or 'nothing'}",
+                                     hint="build one here (aotbuild build) and push it, or name one with --variant")
+    fitting.sort(key=lambda v: v["environment"].get("cpu_isa") != here.get("cpu_isa"))
+    return fitting[0]
+
+
+def resolve(spec: str, *, variant: str | None = None, device: str | None = None, dtype: str | None = None,
+            cache_dir: str | os.PathLike | None = None) -> Resolved:
+    """Download the fitting variant of `org/name[@revision]` (only its files) and return its folder.
+    Works offline (HF_HUB_OFFLINE=1) from the cache. Hashes are checked before returning."""
+    import torch
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo_id, revision = parse_repo(spec)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    try:
+        index_file = hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir, endpoint=endpoint)
+        entry = choose_variant(json.loads(Path(index_file).read_text()), device=device, dtype=dtype, variant=variant)
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, endpoint=endpoint,
+                                          allow_patterns=[f"{entry['path']}/*", f"{entry['path']}/**"]))
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
+    folder = snapshot / entry["path"]
+    verify_files(folder, read_manifest(folder))
+    return Resolved(folder, repo_id, revision, snapshot.name, entry["path"])

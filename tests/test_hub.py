@@ -1,0 +1,166 @@
+"""push / pull against a local Hub-compatible server (tests/hubserver.py), with the real client."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import aotbuild
+from aotbuild.cli import main
+from aotbuild.errors import CorruptArtifactError, HubError, NoMatchingVariantError
+from aotbuild.hub import model_card, parse_repo, push, resolve, variant_id
+
+from .conftest import ROOT, TARGETS
+from .hubserver import FakeHub
+
+pytestmark = pytest.mark.slow
+TOKEN = "hf_aotbuildSecretTestToken123"
+REPO = "aotbuild-test/tiny-sdxl"
+HERE = variant_id({"torch": "2.13.0+cpu", "device_type": "cpu", "platform": "linux-x86_64", "cpu_isa": "AVX512"})
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    with FakeHub() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        yield server
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process, as a fleet machine would run it."""
+    return subprocess.run([sys.executable, "-m", "aotbuild.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def other_torch_copy(built, tmp_path) -> Path:
+    """The artifact as if built with another torch: a second variant for the same target."""
+    folder = Path(shutil.copytree(built.folder, tmp_path / "other" / built.folder.name))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["environment"]["torch"] = "2.12.0+cpu"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_parse_repo_and_variant_names():
+    assert parse_repo("hf://org/name@v1") == ("org/name", "v1") and parse_repo("org/name") == ("org/name", None)
+    with pytest.raises(aotbuild.AotbuildError, match="expected org/name"):
+        parse_repo("justname")
+    assert HERE == "torch2.13-cpu-x86_64-avx512"
+    assert variant_id({"torch": "2.13.0+cu128", "device_type": "cuda", "cuda": "12.8",
+                       "gpu_capability": "9.0"}) == "torch2.13-cu128-sm90"
+
+
+def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
+    result = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
+                                       "--artifacts", str(built.artifacts)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert TOKEN not in result.output
+    commits = hub.commits(REPO)
+    assert len(commits) == 2  # the repo's initial commit, then exactly one push
+    files = commits[-1]["files"]
+    prefix = f"cpu-tiny-sdxl/{HERE}"
+    assert {f"{prefix}/manifest.json", f"{prefix}/unet.pt2", f"{prefix}/unet.safetensors", "index.json",
+            "README.md"} <= set(files)
+    uploads = [r for r in hub.requests if r["method"] == "PUT"]
+    assert len(uploads) >= 4  # packages and weights went through LFS
+    commit_requests = [r for r in hub.requests if "/commit/" in r["path"]]
+    assert len(commit_requests) == 1 and commit_requests[0]["headers"]["authorization"] == f"Bearer {TOKEN}"
+    index = json.loads(files["index.json"])
+    assert [v["path"] for v in index["variants"]] == [prefix]
+    card = files["README.md"].decode()
+    assert card.startswith("---\nlibrary_name: aotbuild\ntags:") and f"| `{prefix}` |" in card
+    assert f'load_pipeline("hf://{REPO}")' in card
+
+
+def test_dry_run_lists_operations_and_uploads_nothing(hub, built):
+    result = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
+                                       "--artifacts", str(built.artifacts), "--dry-run"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert f"add cpu-tiny-sdxl/{HERE}/unet.pt2" in result.output and "add index.json" in result.output
+    assert not [r for r in hub.requests if r["method"] in ("PUT", "POST") and "/commit/" in r["path"]]
+
+
+def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target):
+    from .conftest import generate
+
+    push(built.folder, REPO)
+    start = time.perf_counter()
+    pulled = run_cli("pull", REPO)
+    assert pulled.returncode == 0, pulled.stderr
+    folder = Path(pulled.stdout.strip().rsplit(": ", 1)[1])
+    assert folder.name == HERE and (folder / "unet.pt2").is_file()
+    script = ("import aotbuild, numpy, torch, sys; p = aotbuild.load_pipeline(sys.argv[1]); "
+              "numpy.save(sys.argv[2], p('a red fox in the snow', num_inference_steps=2, height=64, width=64, "
+              "guidance_scale=5.0, output_type='np', generator=torch.Generator('cpu').manual_seed(0)).images)")
+    out = folder.parent.parent.parent / "image.npy"
+    image = subprocess.run([sys.executable, "-c", script, f"hf://{REPO}", str(out)], capture_output=True, text=True)
+    assert image.returncode == 0, image.stderr[-2000:]
+    print(f"pull + first image in fresh processes: {time.perf_counter() - start:.1f}s")
+    local = generate(aotbuild.load_pipeline(built.folder), tiny_target.shapes[0])
+    np.testing.assert_array_equal(np.load(out), local)
+    downloaded = {r["path"] for r in hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]}
+    assert all(f"/{HERE}/" in p or p.endswith("index.json") for p in downloaded)  # only this variant
+    hub.stop()
+    offline = run_cli("pull", REPO, env={"HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr
+    assert TOKEN not in pulled.stdout + pulled.stderr + offline.stdout + offline.stderr
+
+
+def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):
+    push(other_torch_copy(built, tmp_path), REPO)
+    with pytest.raises(NoMatchingVariantError, match=r"no variant fits this machine \(torch2.13-cpu.*"
+                                                    r"the repo has: cpu-tiny-sdxl/torch2.12-cpu-x86_64-avx512"):
+        resolve(REPO)
+    push(built.folder, REPO)
+    found = resolve(REPO)
+    assert found.variant == f"cpu-tiny-sdxl/{HERE}"
+    index = json.loads((found.folder.parent.parent / "index.json").read_text()) \
+        if (found.folder.parent.parent / "index.json").exists() else None
+    assert len(hub.commits(REPO)) == 3 and (index is None or len(index["variants"]) == 2)
+
+
+def test_corrupted_download_is_refused(hub, built):
+    push(built.folder, REPO)
+    found = resolve(REPO)
+    blob = (found.folder / "vae_decoder.pt2").resolve()
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CorruptArtifactError, match="vae_decoder.pt2: sha256"):
+        resolve(REPO)
+
+
+def test_server_error_mid_push_leaves_no_commit(hub, built, tmp_path):
+    push(built.folder, REPO)
+    hub.fail_next = {"commit": 500}
+    with pytest.raises(HubError, match=f"push to {REPO} failed: .*500"):
+        push(other_torch_copy(built, tmp_path), REPO)  # new content: an identical push makes no commit at all
+    assert len(hub.commits(REPO)) == 2
+
+
+def test_revision_is_pinned_and_shown(hub, built):
+    push(built.folder, REPO, revision="v1")
+    assert len(hub.commits(REPO, "v1")) == 2
+    result = CliRunner().invoke(main, ["inspect", f"hf://{REPO}@v1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    commit = hub.commits(REPO, "v1")[-1]["oid"]
+    assert f"hub        {REPO}@{commit} (asked: v1), variant cpu-tiny-sdxl/{HERE}" in result.output
+
+
+def test_model_card_lists_bench_figures():
+    entry = {"path": "t/v", "pipeline": "FluxPipeline", "dtype": "bfloat16", "shapes": ["1x1024x1024"],
+             "dynamic": None, "recipe": ["fuse_qkv"], "max_rel_error": 0.01, "source": {"id": "org/model"},
+             "environment": {"device_type": "cuda", "gpu_name": "H100", "gpu_capability": "9.0", "torch": "2.13.0"},
+             "bench": {"first_image_s": 1.5, "steady_step_s": 0.05}}
+    card = model_card("org/x", {"variants": [entry]})
+    assert "base_model:\n- org/model" in card and "| H100 sm9.0 |" in card and "| 1.5 | 0.05 |" in card
