@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The device check for GPU targets (one command, no downloads, < 8 minutes on an H200):
+# build h200-sdxl-random (UNet at 1024x1024, VAE decoder; bf16 + fused QKV, max-autotune off), then
+# bench eager / compile / aot and copy the manifest and bench JSON to $OUT.
+# Where the device lacks diffusers/transformers/..., carry wheels in .whl/ (see the device README).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+TARGET=${TARGET:-h200-sdxl-random}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+python3 -m aotbuild.cli targets | grep "^$TARGET "
+( time python3 -m aotbuild.cli build --target "$TARGET" --artifacts "$OUT/artifacts" ) 2>&1 | tee "$OUT/build.log"
+python3 -m aotbuild.cli bench --target "$TARGET" --artifacts "$OUT/artifacts" --cases eager,compile,aot \
+  --repeats "${REPEATS:-1}" --steps "${STEPS:-4}" --steady 2 2>&1 | tee "$OUT/bench.log"
+cp "$OUT/artifacts/$TARGET/manifest.json" "$OUT/manifest.json"
+cp "$OUT/artifacts/$TARGET/bench.json" "$OUT/bench.json"
+du -sh "$OUT/artifacts/$TARGET" | tee -a "$OUT/bench.log"
+rm -rf "$OUT/artifacts"   # too big to bring back; the figures are in the JSON
