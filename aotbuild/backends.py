@@ -28,9 +28,10 @@ def prepare(target: Target, backend: str, artifacts_dir: Path) -> Any:
                                 hint=f"build it first: aotbuild build --target {target.name}")
         pipe = load_pipeline(folder)
     elif backend in ("eager", "compile"):
-        from .builder import _load_pipeline, optimize_pipeline
+        from .builder import _check_device, _load_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec
 
+        _check_device(target)
         spec = pipeline_spec(target.pipeline)
         pipe = _load_pipeline(target, spec, torch.device(target.device))
         specs = [spec.component(name) for name in target.components]

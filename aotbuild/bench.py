@@ -113,6 +113,8 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     unknown = [c for c in cases if c not in CASES + EXTRA_CASES]
     if unknown:
         raise AotbuildError(f"unknown bench case {unknown[0]!r}; known: {', '.join(CASES + EXTRA_CASES)}")
+    # Fixed order, no repeats: compile-cached loads what compile saved in the same repetition.
+    cases = tuple(c for c in CASES + EXTRA_CASES if c in cases)
     if "aot-dynamic" in cases and not target.dynamic:
         raise AotbuildError(f"case aot-dynamic needs a target with [dynamic]; {target.name} has none")
     if "compile-cached" in cases and "compile" not in cases:

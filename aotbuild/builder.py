@@ -27,8 +27,10 @@ from torch.utils import _pytree as pytree
 from . import capture, export, optimize, shapes, sources
 from .errors import AotbuildError, BuildError, NumericsError
 from .manifest import (
+    DTYPES,
     SCHEMA_VERSION,
     aotbuild_version,
+    check_compatible,
     environment,
     read_manifest,
     sha256_file,
@@ -79,15 +81,22 @@ def variant_name(bucket: ShapeBucket) -> str:
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
-    """The folder holds an intact artifact of exactly this target, aotbuild and torch."""
+    """The folder holds an intact artifact of exactly this target (its random config set included),
+    built by this aotbuild, that fits this machine."""
     try:
         manifest = read_manifest(folder)
         verify_files(folder, manifest)
+        check_compatible(manifest)
     except AotbuildError:
         return False
-    return (manifest.get("target_hash") == target.content_hash()
-            and manifest.get("aotbuild") == aotbuild_version()
-            and manifest["environment"].get("torch") == torch.__version__)
+    if sources.is_random(target.source):
+        config_set = sources.config_set_dir(target.source, target.base_dir)
+        current = {f"{sources.SOURCE_DIRNAME}/{p.relative_to(config_set)}": sha256_file(p)
+                   for p in config_set.rglob("*") if p.is_file()}
+        built = {k: v["sha256"] for k, v in manifest["files"].items() if k.startswith(sources.SOURCE_DIRNAME + "/")}
+        if current != built:
+            return False
+    return manifest.get("target_hash") == target.content_hash() and manifest.get("aotbuild") == aotbuild_version()
 
 
 def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, force: bool = False,
@@ -106,17 +115,29 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
 
     staging_root = artifacts_dir.parent / f".{artifacts_dir.name}-staging"
     staging_root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(staging_root)
-    staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{target.name}-", dir=staging_root))
-    staging.chmod(0o755)
-    try:
-        manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress))
-        artifacts_dir.mkdir(parents=True, exist_ok=True)
-        _replace_folder(staging, folder, staging_root)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        _remove_if_empty(staging_root)
+    with _target_lock(staging_root, target.name):
+        _recover_stale_staging(staging_root, artifacts_dir)
+        staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{target.name}-", dir=staging_root))
+        staging.chmod(0o755)
+        try:
+            manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress))
+            artifacts_dir.mkdir(parents=True, exist_ok=True)
+            _replace_folder(staging, folder, staging_root)
+        except OSError as exc:
+            raise BuildError(f"could not write the artifact: {exc}") from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return BuildResult(folder, manifest, timings=manifest["timings"])
+
+
+@contextlib.contextmanager
+def _target_lock(staging_root: Path, name: str) -> Iterator[None]:
+    """One build of a target at a time (a second one waits, then usually finds it fresh... or rebuilds)."""
+    import fcntl
+
+    with open(staging_root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _check_device(target: Target) -> None:
@@ -165,8 +186,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "target": target.to_dict(),
         "target_hash": target.content_hash(),
-        "source": {"id": target.source, "revision": target.revision,
-                   "seed": target.seed if sources.is_random(target.source) else None},
+        "source": _source_record(target),
         "environment": environment(target.device),
         "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
         "components": components,
@@ -186,6 +206,17 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
     write_manifest(out, manifest)
     return manifest
+
+
+def _source_record(target: Target) -> dict[str, Any]:
+    """Where the pipeline came from; a local folder is recorded absolute so the runtime finds it
+    from anywhere (it is not part of the target's hash)."""
+    record = {"id": target.source, "revision": target.revision,
+              "seed": target.seed if sources.is_random(target.source) else None}
+    folder = None if sources.is_random(target.source) else sources.local_folder(target.source, target.base_dir)
+    if folder is not None:
+        record["folder"] = str(folder.resolve())
+    return record
 
 
 def _capture_points(target: Target) -> dict[str, ShapeBucket]:
@@ -307,7 +338,7 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
     compiled_ids = {id(m) for m in modules.values()}
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module) and id(component) not in compiled_ids:
-            component.to(optimize.DTYPES[target.dtype])
+            component.to(DTYPES[target.dtype])
     force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in modules.items()}
     dtypes = optimize.apply_dtype(modules, target.dtype, force_upcast)
     passes = optimize.apply_passes(modules, target.optimize, target.device)
@@ -337,8 +368,9 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
     for name, entry in manifest["components"].items():
         weights = _load_weights(out / entry["weights"], device)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
+        package_sha = sha256_file(out / entry["package"])
         for variant_entry in entry["variants"]:
-            variant = CompiledVariant(out / entry["package"], variant_entry, device, weights)
+            variant = CompiledVariant(out / entry["package"], variant_entry, device, weights, package_sha)
             checked = ["dynamic:min", "dynamic:base", "dynamic:max"] if "dynamic" in variant_entry else [variant.name]
             errors = {}
             for point in checked:
@@ -374,22 +406,31 @@ def _get_dotted(obj: Any, dotted: str) -> Any:
 
 
 def _replace_folder(new: Path, folder: Path, staging_root: Path) -> None:
-    """Move the complete `new` folder to `folder`, replacing what was there."""
+    """Move the complete `new` folder to `folder`, replacing what was there. The previous artifact
+    is parked as `<pid>-old-<name>/artifact` for the instant between the two renames; a build killed
+    right there gets it back from `_recover_stale_staging`."""
     old = None
     if folder.exists():
-        old = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-old-", dir=staging_root))
+        old = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-old-{folder.name}-", dir=staging_root))
         os.rename(folder, old / "artifact")
     os.rename(new, folder)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_stale_staging(staging_root: Path) -> None:
-    """Delete staging folders left by killed builds (their process is gone)."""
+def _recover_stale_staging(staging_root: Path, artifacts_dir: Path) -> None:
+    """Clean up after killed builds (their process is gone): put back a parked previous artifact
+    whose replacement never arrived, delete partial staging folders."""
     for path in staging_root.iterdir():
-        pid = path.name.split("-", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+        pid, _, rest = path.name.partition("-")
+        if not path.is_dir() or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        parked = path / "artifact"
+        if rest.startswith("old-") and parked.is_dir():
+            name = rest[len("old-"):].rsplit("-", 1)[0]
+            if not (artifacts_dir / name).exists():
+                os.rename(parked, artifacts_dir / name)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _process_alive(pid: int) -> bool:
@@ -397,13 +438,6 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_if_empty(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
+    except PermissionError:  # someone else's live process
         pass
+    return True

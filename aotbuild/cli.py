@@ -71,11 +71,11 @@ def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: 
 @click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
 @click.option("--prompt", required=True)
 @click.option("--backend", type=click.Choice(["aot", "eager", "compile"]), default="aot", show_default=True)
-@click.option("--steps", type=int, default=4, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--height", type=int, help="pixels (default: the target's first bucket)")
-@click.option("--width", type=int, help="pixels (default: the target's first bucket)")
-@click.option("--batch", type=int, help="images per prompt (default: the target's first bucket)")
+@click.option("--height", type=click.IntRange(1), help="pixels (default: the target's first bucket)")
+@click.option("--width", type=click.IntRange(1), help="pixels (default: the target's first bucket)")
+@click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
@@ -87,6 +87,13 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
 
     target = load_target(target_name)
     first = target.shapes[0]
+    for name, value in (("--height", height), ("--width", width)):
+        if value is not None and value % target.stride:
+            raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
+    if output is not None and output.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+        raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name")
+    if output is not None and not output.parent.is_dir():
+        raise AotbuildError(f"--output {output}: folder {output.parent} does not exist")
     start = time.perf_counter()
     pipe = prepare(target, backend, artifacts)
     load_s = time.perf_counter() - start
@@ -157,7 +164,10 @@ def push(target_name: str, repo_id: str, revision: str | None, private: bool, cr
     from .targets import load_target
 
     target = load_target(target_name)
-    repo_id, _ = parse_repo(repo_id)
+    repo_id, repo_revision = parse_repo(repo_id)
+    if repo_revision and revision and repo_revision != revision:
+        raise AotbuildError(f"--repo names revision {repo_revision!r} and --revision {revision!r}: give one")
+    revision = revision or repo_revision
     result = run_push(artifacts / target.name, repo_id, revision=revision, private=private, create_pr=create_pr,
                       dry_run=dry_run)
     for operation in result.operations:

@@ -1,7 +1,7 @@
 """Publish and fetch artifacts on the Hugging Face Hub.
 
 One repo holds many variants, each in `<target>/<variant>/` where the variant names the torch
-release and machine (`torch2.13-cu128-sm90`, `torch2.13-cpu-x86_64-avx512`); `index.json` at the
+release and machine (`torch2.13.0-cu128-sm90`, `torch2.13.0-cpu-x86_64-avx512`); `index.json` at the
 root lists every variant with its fingerprint, and `README.md` is a generated model card. A push
 is exactly one commit (files, index and card together); a pull downloads only the variant that
 fits this machine into the standard HF cache. Tokens come from huggingface_hub's usual places and
@@ -12,20 +12,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import AotbuildError, HubError, IncompatibleArtifactError, NoMatchingVariantError
+from .errors import AotbuildError, CorruptArtifactError, HubError, IncompatibleArtifactError, NoMatchingVariantError
 from .manifest import MANIFEST_NAME, check_compatible, environment, read_manifest, verify_files
 
 INDEX_NAME = "index.json"
+_SAFE_PATH = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")  # target/variant, nothing else
 CARD_NAME = "README.md"
 HF_PREFIX = "hf://"
 
 
-def is_hub_spec(spec: str | os.PathLike) -> bool:
-    return isinstance(spec, str) and spec.startswith(HF_PREFIX)
+def _read_index(path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(path.read_text())
+        assert isinstance(index.get("variants"), list)
+        return index
+    except (ValueError, AssertionError, AttributeError):
+        raise HubError(f"{path.name} of this repo is not an aotbuild index") from None
 
 
 def parse_repo(spec: str) -> tuple[str, str | None]:
@@ -38,13 +45,14 @@ def parse_repo(spec: str) -> tuple[str, str | None]:
 
 
 def variant_id(env: dict[str, Any]) -> str:
-    """The folder name of an environment: torch release and machine kind."""
-    torch_mm = ".".join(env["torch"].split("+")[0].split(".")[:2])
+    """The folder name of an environment: the exact torch release (compiled code is tied to it,
+    and the runtime refuses another) and the machine kind."""
+    release = env["torch"].split("+")[0]
     if env["device_type"] == "cuda":
         cuda = (env.get("cuda") or "unknown").replace(".", "")
-        return f"torch{torch_mm}-cu{cuda}-sm{env.get('gpu_capability', '?').replace('.', '')}"
+        return f"torch{release}-cu{cuda}-sm{env.get('gpu_capability', '?').replace('.', '')}"
     machine = env["platform"].split("-", 1)[-1]
-    return f"torch{torch_mm}-cpu-{machine}-{env['cpu_isa'].lower()}"
+    return f"torch{release}-cpu-{machine}-{env['cpu_isa'].lower()}"
 
 
 def index_entry(path: str, manifest: dict[str, Any], bench: dict[str, Any] | None) -> dict[str, Any]:
@@ -130,7 +138,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
         HubError: a Hub request failed; no commit was made.
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RevisionNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -147,14 +155,15 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
         try:
             remote = api.list_repo_files(repo_id, revision=revision)
-            index_path = api.hf_hub_download(repo_id, INDEX_NAME, revision=revision)
-            index = json.loads(Path(index_path).read_text())
-        except (EntryNotFoundError, RevisionNotFoundError):
-            remote, index = [], {"variants": []}
+        except RevisionNotFoundError:
+            remote = []
         except HfHubHTTPError as exc:  # a repo that does not exist yet (dry run)
             if not dry_run or getattr(exc.response, "status_code", None) != 404:
                 raise
-            remote, index = [], {"variants": []}
+            remote = []
+        index = {"variants": []}
+        if INDEX_NAME in remote:
+            index = _read_index(Path(api.hf_hub_download(repo_id, INDEX_NAME, revision=revision)))
         index["variants"] = sorted([v for v in index["variants"] if v["path"] != path]
                                    + [index_entry(path, manifest, bench)], key=lambda v: v["path"])
         operations: list[Any] = [CommitOperationAdd(f"{path}/{rel}", str(folder / rel)) for rel in local]
@@ -171,7 +180,9 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
                        f"with torch {manifest['environment']['torch']}")
         info = api.create_commit(repo_id, operations, commit_message=f"aotbuild: {path}",
                                  commit_description=description, revision=revision, create_pr=create_pr)
-    except HfHubHTTPError as exc:
+    except AotbuildError:
+        raise
+    except Exception as exc:  # HTTP errors, the client's connection errors, offline mode, bad repo ids
         raise _hub_error(f"push to {repo_id}", exc) from None
     result.commit_url, result.pr_url = info.commit_url, info.pr_url
     return result
@@ -195,16 +206,19 @@ class Resolved:
 
 
 def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = None,
-                   variant: str | None = None) -> dict[str, Any]:
+                   variant: str | None = None, pipeline: str | None = None) -> dict[str, Any]:
     """The index entry to use here: the one named, else the first that fits this machine (an exact
     CPU ISA match before a weaker one).
 
     Raises:
         NoMatchingVariantError: listing what the repo has and what this machine is.
     """
-    entries = index.get("variants", [])
+    entries = [v for v in index.get("variants", []) if pipeline is None or v["pipeline"] == pipeline]
     if variant:
-        chosen = [v for v in entries if v["path"] == variant or v["path"].endswith("/" + variant)]
+        chosen = [v for v in entries if v["path"] == variant] or [v for v in entries
+                                                                   if v["path"].endswith("/" + variant)]
+        if len(chosen) > 1:
+            raise NoMatchingVariantError(f"variant {variant!r} is ambiguous: {', '.join(v['path'] for v in chosen)}")
         if not chosen:
             raise NoMatchingVariantError(f"no variant {variant!r}; the repo has: "
                                          f"{', '.join(v['path'] for v in entries) or 'nothing'}")
@@ -228,7 +242,7 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
 
 
 def resolve(spec: str, *, variant: str | None = None, device: str | None = None, dtype: str | None = None,
-            cache_dir: str | os.PathLike | None = None) -> Resolved:
+            pipeline: str | None = None, cache_dir: str | os.PathLike | None = None) -> Resolved:
     """Download the fitting variant of `org/name[@revision]` (only its files) and return its folder.
     Works offline (HF_HUB_OFFLINE=1) from the cache. Hashes are checked before returning."""
     import torch
@@ -240,11 +254,23 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
     endpoint = os.environ.get("HF_ENDPOINT") or None
     try:
         index_file = hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir, endpoint=endpoint)
-        entry = choose_variant(json.loads(Path(index_file).read_text()), device=device, dtype=dtype, variant=variant)
+        entry = choose_variant(_read_index(Path(index_file)), device=device, dtype=dtype, variant=variant,
+                               pipeline=pipeline)
         snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, endpoint=endpoint,
                                           allow_patterns=[f"{entry['path']}/*", f"{entry['path']}/**"]))
-    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+    except AotbuildError:
+        raise
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:  # HTTP, network, bad repo id
         raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
+    except Exception as exc:  # the HTTP client's own connection errors
+        raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
+    if not _SAFE_PATH.fullmatch(entry["path"]):
+        raise HubError(f"{repo_id}: index.json names an invalid variant path {entry['path']!r}")
     folder = snapshot / entry["path"]
-    verify_files(folder, read_manifest(folder))
+    try:
+        verify_files(folder, read_manifest(folder))
+    except CorruptArtifactError as exc:
+        # The HF cache trusts its blobs: pulling again reuses the damaged file until it is removed.
+        raise CorruptArtifactError(str(exc), hint=f"delete the damaged file from the Hugging Face cache "
+                                                  f"({snapshot}) and pull again") from None
     return Resolved(folder, repo_id, revision, snapshot.name, entry["path"])

@@ -15,9 +15,24 @@ import torch
 from .errors import CorruptArtifactError, IncompatibleArtifactError
 
 MANIFEST_NAME = "manifest.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in targets
 SCHEMA_VERSION = 1
 # x86 CPU capabilities torch reports, weakest first: code built for one runs on any later one.
-CPU_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16", "AMX")
+CPU_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
+# Inductor compiles CPU code with -march=native: these instruction-set flags of the build machine
+# must all exist where the code runs (AVX512 on Skylake-X lacks Sapphire Rapids' AMX and FP16).
+ISA_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx", "popcnt", "movbe", "vnni", "sha_ni", "vaes",
+                     "vpclmul", "gfni", "adx", "lzcnt", "abm")
+
+
+def cpu_isa_flags() -> list[str]:
+    """The instruction-set flags of this CPU (Linux x86; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted({flag for flag in line.split(":", 1)[-1].split() if flag.startswith(ISA_FLAG_PREFIXES)})
 
 
 def aotbuild_version() -> str:
@@ -34,6 +49,7 @@ def environment(device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": f"{sys.platform}-{platform.machine()}",
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": cpu_isa_flags(),
         "device_type": device,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
@@ -122,9 +138,14 @@ def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dty
             raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda")
         if here.get("gpu_capability") != built.get("gpu_capability"):
             raise IncompatibleArtifactError("gpu_capability", here.get("gpu_capability"), built.get("gpu_capability"))
-    elif _isa_rank(here["cpu_isa"]) < _isa_rank(built["cpu_isa"]) or (
-        _isa_rank(built["cpu_isa"]) < 0 and here["cpu_isa"] != built["cpu_isa"]
-    ):
-        raise IncompatibleArtifactError("cpu_isa", here["cpu_isa"], built["cpu_isa"])
+    else:
+        if _isa_rank(here["cpu_isa"]) < _isa_rank(built["cpu_isa"]) or (
+            _isa_rank(built["cpu_isa"]) < 0 and here["cpu_isa"] != built["cpu_isa"]
+        ):
+            raise IncompatibleArtifactError("cpu_isa", here["cpu_isa"], built["cpu_isa"])
+        missing = sorted(set(built.get("cpu_flags", [])) - set(here["cpu_flags"]))
+        if missing:
+            raise IncompatibleArtifactError("cpu_flags", f"a CPU without {', '.join(missing)}",
+                                            "built for a CPU with them")
     if dtype is not None and dtype != manifest["target"]["dtype"]:
         raise IncompatibleArtifactError("dtype", dtype, manifest["target"]["dtype"])

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import TargetError
+from .manifest import DTYPES
 
 Modules = dict[str, torch.nn.Module]  # component name -> the pipeline module it compiles
 
@@ -272,7 +273,6 @@ def validate_optimize(options: dict[str, Any], *, origin: str, device: str, gpu:
             raise TargetError(f"{origin}: {exc}") from None
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def apply_dtype(modules: Modules, dtype: str, force_upcast: dict[str, bool]) -> dict[str, str]:

@@ -22,11 +22,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import AotbuildError, CorruptArtifactError, ShapeNotSupportedError
-from .manifest import check_compatible, read_manifest, sha256_file, verify_files
+from .manifest import DTYPES, check_compatible, read_manifest, sha256_file, verify_files
 from .pipelines import pipeline_spec
 from .shapes import infer_size
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Operator namespaces torch registers itself: compiled code calling them needs no extra import.
+TORCH_NAMESPACES = {"aten", "prims", "quantized", "quantized_decomposed", "_c10d_functional", "fbgemm", "mkldnn",
+                    "onednn", "_quantized", "higher_order"}
 
 
 class Config(dict):
@@ -69,25 +71,44 @@ def package_cache_dir() -> Path:
 def extracted_package(package: Path, sha256: str) -> Path:
     """The package's files, extracted once per content hash and reused by every later process.
 
-    Extraction goes to a private temporary folder renamed into place when complete, so concurrent
-    processes never see a partial folder; the loser of a rename race drops its copy.
+    `sha256` must be the hash of `package` as checked by the caller (never a manifest's claim):
+    the cache is trusted by name. Extraction goes to a private temporary folder renamed into place
+    when complete, so concurrent processes never see a partial folder; the loser of a rename race
+    drops its copy. A cache that cannot be written falls back to a private temporary folder.
     """
     root = package_cache_dir()
     folder = root / sha256
-    if folder.is_dir():
+    if (folder / ".complete").is_file():
         return folder
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:16]}-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:16]}-", dir=root))
+    except OSError:  # read-only home in a container: extract privately, once per process
+        root, folder = Path(tempfile.mkdtemp(prefix="aotbuild-packages-")), None
+        staging = root / sha256
     try:
         with zipfile.ZipFile(package) as archive:
             archive.extractall(staging)
+        (staging / ".complete").touch()
+        if folder is None:
+            return staging
         os.rename(staging, folder)
+    except zipfile.BadZipFile:
+        raise CorruptArtifactError(f"{package} is not a valid package archive") from None
     except OSError:
-        if not folder.is_dir():
+        if folder is None or not (folder / ".complete").is_file():
             raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if folder is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _weight(weights: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.Tensor:
+    try:
+        return weights[fqn]
+    except KeyError:
+        raise CorruptArtifactError(f"{package}: the weights file lacks constant {fqn!r}") from None
 
 
 class CompiledVariant:
@@ -104,18 +125,20 @@ class CompiledVariant:
         self.inputs = entry["inputs"]
         # Bind before any call: a weight-less model run without constants crashes the process.
         if device.type == "cpu":
-            folder = extracted_package(package, sha256 or sha256_file(package))
+            folder = extracted_package(package, sha256 or sha256_file(package))  # callers pass checked hashes
             library = next(folder.glob(f"*/data/aotinductor/{self.name}/*.so"), None)
             if library is None:
                 raise CorruptArtifactError(f"{package}: no compiled library for variant {self.name}")
             runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(library), 1)
             names = runner.get_constant_names_to_original_fqns()
-            runner.update_constant_buffer({name: weights[fqn] for name, fqn in names.items()}, False, True, True)
+            runner.update_constant_buffer({name: _weight(weights, fqn, package) for name, fqn in names.items()},
+                                          False, True, True)
             self._run = runner.run
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
             runner = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, False, 1, index)
-            runner.load_constants({k: weights[k] for k in runner.get_constant_fqns()}, False, True, True)
+            runner.load_constants({k: _weight(weights, k, package) for k in runner.get_constant_fqns()},
+                                  False, True, True)
             self._run = runner.boxed_run
         in_spec, out_spec = runner.get_call_spec()
         self.in_spec = pytree.treespec_loads(in_spec)
@@ -152,7 +175,9 @@ class CompiledVariant:
         tensors = []
         for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
             if isinstance(leaf, torch.Tensor):
-                want = DTYPES.get(expected["dtype"], leaf.dtype) if leaf.is_floating_point() else leaf.dtype
+                # Every input in the dtype the model was compiled for: AOTInductor reads raw memory, so
+                # an int64 timestep from another scheduler would otherwise be read as float bits.
+                want = getattr(torch, expected["dtype"])
                 leaf = leaf.to(device=device, dtype=want)
                 if "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
                     leaf = torch.empty_strided(expected["shape"], expected["stride"], dtype=want,
@@ -258,6 +283,8 @@ def _set_dotted(root: Any, dotted: str, value: Any) -> None:
 def _import_custom_ops(namespaces: list[str]) -> None:
     """Register the operators compiled code calls back into (only for artifacts that need them)."""
     for namespace in namespaces:
+        if namespace in TORCH_NAMESPACES:
+            continue
         try:
             importlib.import_module(namespace)
         except ImportError:
@@ -295,11 +322,15 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     check_compatible(manifest, device=device.type, dtype=dtype)
     if verify:
         verify_files(folder, manifest)
+    if manifest["optimizations"]["passes"].get("tf32", {}).get("enabled") and device.type == "cuda":
+        # The artifact was validated with TF32 matmuls; cuBLAS calls inside it read these flags.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     modules = {}
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         weights = _load_weights(folder / entry["weights"], device)
-        sha256 = manifest["files"].get(entry["package"], {}).get("sha256")
+        sha256 = manifest["files"][entry["package"]]["sha256"] if verify else None  # None: hash the file
         variants = [CompiledVariant(folder / entry["package"], v, device, weights, sha256) for v in entry["variants"]]
         modules[entry["attribute"]] = CompiledComponent(
             name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants, weights, device,
@@ -307,14 +338,15 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     return manifest, modules
 
 
-def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None) -> Path:
-    """A local artifact folder; `hf://org/name[@revision]` is resolved to the fitting variant in the
-    HF cache first (downloading only that variant, hashes checked)."""
+def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
+                    pipeline: str | None = None) -> tuple[Path, bool]:
+    """(local folder, hashes already checked). `hf://org/name[@revision]` is resolved to the variant
+    fitting this machine (and `pipeline`) in the HF cache, downloading only that variant."""
     if isinstance(artifact, str) and artifact.startswith("hf://"):
         from .hub import resolve
 
-        return resolve(artifact, device=device, dtype=dtype).folder
-    return Path(artifact)
+        return resolve(artifact, device=device, dtype=dtype, pipeline=pipeline).folder, True
+    return Path(artifact), False
 
 
 def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False) -> Any:
@@ -327,14 +359,15 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = Fals
         The same pipeline, modified in place.
     """
     device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
-    artifact = artifact_folder(artifact, device=device.type if device is not None else None)
+    artifact, verified = artifact_folder(artifact, device=device.type if device is not None else None,
+                                         pipeline=type(pipe).__name__)
     manifest = read_manifest(artifact)
     if type(pipe).__name__ != manifest["target"]["pipeline"]:
         raise AotbuildError(f"artifact is for {manifest['target']['pipeline']}, not {type(pipe).__name__}")
     eager = None
     if eager_fallback:
         eager = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
-    _, modules = load_components(artifact, device=device, eager=eager)
+    _, modules = load_components(artifact, device=device, eager=eager, verify=not verified)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     return pipe
@@ -354,14 +387,15 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     from .sources import SOURCE_DIRNAME, assemble_pipeline, is_random, resolve_folder
     from .sources import load_components as load_source_components
 
-    folder = artifact_folder(artifact, device=device, dtype=dtype)
-    manifest, modules = load_components(folder, device=device, dtype=dtype)
+    folder, verified = artifact_folder(artifact, device=device, dtype=dtype)
+    manifest, modules = load_components(folder, device=device, dtype=dtype, verify=not verified)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])
     if is_random(target["source"]):
         source_folder, seed = folder / SOURCE_DIRNAME, target["seed"]
     else:
-        source_folder = resolve_folder(target["source"], target.get("revision"), folder, set(modules))
+        source = manifest["source"].get("folder") or target["source"]  # a local source, resolved at build
+        source_folder = resolve_folder(source, target.get("revision"), folder, set(modules))
         seed = None
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})

@@ -30,7 +30,7 @@ def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[i
 
     def two_values(low: int, high: int, step: int) -> tuple[int, int]:
         values = list(range(low, high + 1, step))
-        inner = [v for v in values if v != 1] or values
+        inner = [v for v in values if v != step] or values  # v == step is an export Dim of 1
         base = inner[(len(inner) - 1) // 2]
         others = [v for v in values if v != base]
         other = next((v for v in others if v != 1), others[0] if others else base)
@@ -63,7 +63,10 @@ def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[in
                 dims.append(_proportional(value, probes["batch"][leaf][d], points, 0, "batch", stride))
             elif moved in (["height"], ["width"]):
                 index = AXES.index(moved[0])
-                dims.append(_proportional(value, probes[moved[0]][leaf][d], points, index, moved[0], stride))
+                try:
+                    dims.append(_proportional(value, probes[moved[0]][leaf][d], points, index, moved[0], stride))
+                except BuildError:  # e.g. Flux tokens when the other axis is fixed: a sequence, not a size
+                    dims.append({"axis": "tokens", "min": corners["min"][leaf][d], "max": corners["max"][leaf][d]})
             elif moved == ["height", "width"]:
                 dims.append({"axis": "tokens", "min": corners["min"][leaf][d], "max": corners["max"][leaf][d]})
             else:

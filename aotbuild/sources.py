@@ -62,12 +62,17 @@ def pixel_stride(spec: PipelineSpec, source: str, base_dir: Path) -> int:
 
 
 def hub_folder(repo_id: str, revision: str | None, skip: set[str]) -> Path:
-    """Download the pipeline from the Hub, leaving out the weights of the `skip` components."""
-    from huggingface_hub import snapshot_download
+    """Download the pipeline from the Hub: configs, tokenizers and the safetensors weights of each
+    component except `skip` (never the repo's single-file checkpoints, ONNX or Flax copies)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
 
     try:
-        weights = [f"{name}/*.{ext}" for name in skip for ext in ("safetensors", "bin")]
-        return Path(snapshot_download(repo_id, revision=revision, ignore_patterns=weights))
+        index = json.loads(Path(hf_hub_download(repo_id, "model_index.json", revision=revision)).read_text())
+        components = [k for k, v in index.items() if isinstance(v, list) and v[0] is not None and k not in skip]
+        patterns = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model"]
+        patterns += [f"{name}/*.safetensors" for name in components]
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
+                                      ignore_patterns=["*.fp16.safetensors", "*/*.fp16.*"]))
     except Exception as exc:  # huggingface_hub raises many types; all mean the same to the user
         raise SourceError(f"cannot fetch {repo_id}@{revision or 'main'} from the Hub: {exc}") from None
 

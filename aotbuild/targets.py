@@ -14,9 +14,10 @@ from typing import Any
 
 from .errors import SourceError, TargetError
 from .export import PROFILES
+from .manifest import DTYPES as DTYPE_BY_NAME
 from .pipelines import pipeline_spec
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
@@ -95,7 +96,7 @@ class Target:
 
 
 def default_targets_dir() -> Path:
-    """$AOTBUILD_TARGETS, else ./targets when present, else the targets shipped beside the package."""
+    """$AOTBUILD_TARGETS, else ./targets when present, else the repository's targets/ (editable installs)."""
     env = os.environ.get("AOTBUILD_TARGETS")
     if env:
         return Path(env)

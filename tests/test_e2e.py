@@ -190,6 +190,14 @@ def test_incompatible_environment_is_refused(artifact_copy, field, value, messag
     assert info.value.field == field
 
 
+def test_cpu_without_the_build_machines_instructions_is_refused(artifact_copy):
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    manifest["environment"]["cpu_flags"] = [*manifest["environment"]["cpu_flags"], "avx10_9"]  # no CPU has it
+    (artifact_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IncompatibleArtifactError, match=r"cpu_flags is .*, 'a CPU without avx10_9' here"):
+        aotbuild.load_pipeline(artifact_copy)
+
+
 def test_wrong_dtype_or_device_is_refused(built):
     with pytest.raises(IncompatibleArtifactError, match="dtype is 'float32' in the artifact, 'bfloat16' here"):
         aotbuild.load_pipeline(built.folder, dtype="bfloat16")
@@ -226,8 +234,22 @@ def test_killed_build_leaves_previous_artifact(built, tmp_path):
     assert sorted(p.name for p in artifacts.iterdir()) == [built.folder.name]
     verify_files(artifacts / built.folder.name, manifest)
     staging = tmp_path / ".artifacts-staging"
-    assert [p.name.split("-")[0] for p in staging.iterdir()] == [str(process.pid)]
-    from aotbuild.builder import _remove_stale_staging
+    assert [p.name.split("-")[0] for p in staging.iterdir() if p.is_dir()] == [str(process.pid)]
+    from aotbuild.builder import _recover_stale_staging
 
-    _remove_stale_staging(staging)  # the next build does this first
+    _recover_stale_staging(staging, artifacts)  # the next build does this first
+    assert [p for p in staging.iterdir() if p.is_dir()] == []
+
+
+def test_build_killed_between_renames_gets_its_previous_artifact_back(built, tmp_path):
+    from aotbuild.builder import _recover_stale_staging
+
+    artifacts, staging = tmp_path / "artifacts", tmp_path / ".artifacts-staging"
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+    parked = staging / f"{dead_pid}-old-{built.folder.name}-x1y2" / "artifact"
+    shutil.copytree(built.folder, parked)
+    artifacts.mkdir()
+    _recover_stale_staging(staging, artifacts)
+    verify_files(artifacts / built.folder.name, read_manifest(artifacts / built.folder.name))
     assert list(staging.iterdir()) == []

@@ -55,9 +55,9 @@ def test_parse_repo_and_variant_names():
     assert parse_repo("hf://org/name@v1") == ("org/name", "v1") and parse_repo("org/name") == ("org/name", None)
     with pytest.raises(aotbuild.AotbuildError, match="expected org/name"):
         parse_repo("justname")
-    assert HERE == "torch2.13-cpu-x86_64-avx512"
+    assert HERE == "torch2.13.0-cpu-x86_64-avx512"
     assert variant_id({"torch": "2.13.0+cu128", "device_type": "cuda", "cuda": "12.8",
-                       "gpu_capability": "9.0"}) == "torch2.13-cu128-sm90"
+                       "gpu_capability": "9.0"}) == "torch2.13.0-cu128-sm90"
 
 
 def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
@@ -118,8 +118,8 @@ def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target
 
 def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):
     push(other_torch_copy(built, tmp_path), REPO)
-    with pytest.raises(NoMatchingVariantError, match=r"no variant fits this machine \(torch2.13-cpu.*"
-                                                    r"the repo has: cpu-tiny-sdxl/torch2.12-cpu-x86_64-avx512"):
+    with pytest.raises(NoMatchingVariantError, match=r"no variant fits this machine \(torch2.13.0-cpu.*"
+                                                    r"the repo has: cpu-tiny-sdxl/torch2.12.0-cpu-x86_64-avx512"):
         resolve(REPO)
     push(built.folder, REPO)
     found = resolve(REPO)
@@ -129,15 +129,17 @@ def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):
     assert len(hub.commits(REPO)) == 3 and (index is None or len(index["variants"]) == 2)
 
 
-def test_corrupted_download_is_refused(hub, built):
+def test_corrupted_download_is_refused(hub, built, tmp_path):
     push(built.folder, REPO)
-    found = resolve(REPO)
+    cache = tmp_path / "hf-cache"  # a private cache: the damaged blob must not leak into other tests
+    found = resolve(REPO, cache_dir=cache)
     blob = (found.folder / "vae_decoder.pt2").resolve()
     data = bytearray(blob.read_bytes())
     data[100] ^= 0xFF
     blob.write_bytes(bytes(data))
-    with pytest.raises(CorruptArtifactError, match="vae_decoder.pt2: sha256"):
-        resolve(REPO)
+    with pytest.raises(CorruptArtifactError, match="vae_decoder.pt2: sha256") as info:
+        resolve(REPO, cache_dir=cache)
+    assert "Hugging Face cache" in info.value.hint
 
 
 def test_server_error_mid_push_leaves_no_commit(hub, built, tmp_path):
