@@ -44,6 +44,8 @@ def targets(targets_dir: Path | None) -> None:
 
     for t in list_targets(targets_dir):
         shapes = ",".join(str(s) for s in t.shapes)
+        if t.dynamic:
+            shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
         click.echo(f"{t.name:<20} {t.device:<5} {t.dtype:<9} {t.pipeline:<26} shapes={shapes} "
                    f"components={','.join(t.components)}")
 

@@ -253,3 +253,23 @@ def test_build_killed_between_renames_gets_its_previous_artifact_back(built, tmp
     _recover_stale_staging(staging, artifacts)
     verify_files(artifacts / built.folder.name, read_manifest(artifacts / built.folder.name))
     assert list(staging.iterdir()) == []
+
+
+def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy, tiny_target):
+    from aotbuild.builder import _capture_all, _capture_points, _validate
+    from aotbuild.errors import NumericsError
+    from aotbuild.pipelines import pipeline_spec
+
+    spec = pipeline_spec(tiny_target.pipeline)
+    points = _capture_points(tiny_target)
+    reference = _capture_all(eager_pipeline(tiny_target), [spec.component(n) for n in tiny_target.components],
+                             tiny_target, list(points.values()), lambda stage, message: None)
+    for calls in reference.values():
+        for call in calls.values():
+            call.output.mul_(1.5)  # as if the compiled models had drifted by a third
+    manifest = read_manifest(artifact_copy)
+    with pytest.raises(NumericsError, match=r"unet b1_64x64: relative error 0\.333 > 0\.001") as info:
+        _validate(artifact_copy, manifest, reference, points, torch.device("cpu"), allow_drift=False)
+    assert "--allow-numerics-drift" in info.value.hint
+    _validate(artifact_copy, manifest, reference, points, torch.device("cpu"), allow_drift=True)
+    assert manifest["components"]["vae_decoder"]["variants"][2]["numerics"]["max_rel_error"] > 0.3

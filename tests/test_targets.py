@@ -39,7 +39,11 @@ def write_target(tmp_path: Path, text: str, name: str = "t") -> Path:
 
 def test_shipped_targets_parse_and_list():
     targets = {t.name: t for t in list_targets(TARGETS)}
-    assert {"cpu-tiny-sdxl", "h100-sdxl"} <= set(targets)
+    assert {"cpu-tiny-sdxl", "h100-sdxl", "a100-sdxl", "h100-sdxl-fp8", "h100-flux-dev", "h100-sd3-medium",
+            "a100-sd15", "cpu-tiny-sd15", "cpu-tiny-sd3", "cpu-tiny-flux"} <= set(targets)
+    assert targets["h100-flux-dev"].pipeline == "FluxPipeline" and targets["h100-flux-dev"].dynamic["height"] == [
+        512, 1536]
+    assert targets["a100-sd15"].dtype == "float16" and targets["h100-sd3-medium"].components[0] == "transformer"
     h100 = targets["h100-sdxl"]
     assert h100.device == "cuda" and h100.gpu.capability == "9.0" and h100.dtype == "bfloat16"
     assert len(h100.revision) == 40 and int(h100.revision, 16) >= 0
@@ -104,6 +108,6 @@ def test_cli_targets_lists_one_line_each():
     result = CliRunner().invoke(main, ["targets", "--dir", str(TARGETS)])
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines()}
-    assert "shapes=1x64x64,2x64x96" in lines["cpu-tiny-sdxl"]
+    assert "shapes=1x64x64,2x64x96,1-3x32-96x32-96" in lines["cpu-tiny-sdxl"]
     assert "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
     assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
