@@ -154,7 +154,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         medians = [s["median"] or 0 for s in stats]
         errors = [[m - (s["min"] or m) for m, s in zip(medians, stats, strict=True)],
                   [(s["max"] or m) - m for m, s in zip(medians, stats, strict=True)]]
-        ax.bar(cases, medians, yerr=errors, capsize=4, color=["#888", "#c66", "#d96", "#4a8"][: len(cases)])
+        ax.bar(cases, medians, yerr=errors, capsize=4, color=["#888", "#c66", "#d96", "#4a8", "#7b9"][: len(cases)])
         ax.set_title(title)
     fig.suptitle(f"aotbuild bench: {document['meta']['target']} ({document['meta']['shape']}, "
                  f"{document['meta']['steps']} steps, {document['meta']['repeats']} repetitions)")
