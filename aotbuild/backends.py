@@ -17,16 +17,22 @@ from .targets import Target
 BACKENDS = ("aot", "eager", "compile")
 
 
+def built_artifact(target: Target, artifacts_dir: Path) -> Path:
+    """The target's artifact folder; an error saying how to build it when there is none."""
+    from .manifest import MANIFEST_NAME
+
+    folder = artifacts_dir / target.name
+    if not (folder / MANIFEST_NAME).is_file():
+        raise AotbuildError(f"no artifact at {folder}", hint=f"build it first: aotbuild build --target {target.name}")
+    return folder
+
+
 def prepare(target: Target, backend: str, artifacts_dir: Path) -> Any:
     """A ready pipeline for `target` run the `backend` way."""
     if backend == "aot":
         from .runtime import load_pipeline
 
-        folder = artifacts_dir / target.name
-        if not (folder / "manifest.json").is_file():
-            raise AotbuildError(f"no artifact at {folder}",
-                                hint=f"build it first: aotbuild build --target {target.name}")
-        pipe = load_pipeline(folder)
+        pipe = load_pipeline(built_artifact(target, artifacts_dir))
     elif backend in ("eager", "compile"):
         from .builder import _check_device, _load_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec

@@ -105,6 +105,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     Raises:
         AotbuildError: unknown case, missing artifact, or a worker failure (with its stderr).
     """
+    from .backends import built_artifact
     from .manifest import environment
     from .targets import load_target
 
@@ -119,9 +120,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
         raise AotbuildError(f"case aot-dynamic needs a target with [dynamic]; {target.name} has none")
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
-    folder = artifacts_dir / target.name
-    if not (folder / "manifest.json").is_file():
-        raise AotbuildError(f"no artifact at {folder}", hint=f"build it first: aotbuild build --target {target.name}")
+    folder = built_artifact(target, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:
         for rep in range(repeats):

@@ -175,7 +175,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     components = {}
     for s in specs:
         dims = _dynamic_dims(s.name, reference, points, target) if target.dynamic else None
-        components[s.name] = _build_component(s, modules[s.name], target, examples, dims,
+        components[s.name] = _build_component(s, modules[s.name], target, examples, points, dims,
                                               records["dtype"][s.name], inductor_options, out, stages)
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
@@ -264,6 +264,7 @@ def _dynamic_dims(component: str, reference: dict, points: dict[str, ShapeBucket
 
 
 def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, examples: dict,
+                     points: dict[str, ShapeBucket],
                      dims: list | None, dtype: str, inductor_options: dict[str, Any], out: Path,
                      stages: _Stages) -> dict[str, Any]:
     """Export, compile and package every shape variant of one component; returns its manifest entry."""
@@ -279,7 +280,7 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
             entry["dynamic"] = {**target.dynamic, "stride": target.stride}
             entry["inputs"] = _dynamic_signature(call, dims)
         else:
-            bucket = ShapeBucket(*(int(v) for v in name[1:].replace("x", "_").split("_")))
+            bucket = points[name]
             entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width}
             entry["inputs"] = leaf_signature((call.args, call.kwargs))
         with stages("export", f"{spec.name} {entry['name']}"):
