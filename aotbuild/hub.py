@@ -1,11 +1,11 @@
 """Publish and fetch artifacts on the Hugging Face Hub.
 
 One repo holds many variants, each in `<target>/<variant>/` where the variant names the torch
-release and machine (`torch2.13.0-cu128-sm90`, `torch2.13.0-cpu-x86_64-avx512`); `index.json` at the
-root lists every variant with its fingerprint, and `README.md` is a generated model card. A push
-is exactly one commit (files, index and card together); a pull downloads only the variant that
-fits this machine into the standard HF cache. Tokens come from huggingface_hub's usual places and
-are never printed.
+release and machine (`torch2.13.0-cu128-sm90`, `torch2.13.0-cu128-sm80-ptx` for multi-arch kernels,
+`torch2.13.0-cpu-x86_64-avx512`); `index.json` at the root lists every variant with its fingerprint,
+and `README.md` is a generated model card. A push is exactly one commit (files, index and card
+together); a pull downloads only the variant that fits this machine into the standard HF cache.
+Tokens come from huggingface_hub's usual places and are never printed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .manifest import MANIFEST_NAME, check_compatible, environment, read_manifes
 INDEX_NAME = "index.json"
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")  # target/variant, nothing else
 CARD_NAME = "README.md"
+PUSH_ATTEMPTS = 5  # commits refused because another push landed first are redone on the new head
 HF_PREFIX = "hf://"
 
 
@@ -50,7 +51,8 @@ def variant_id(env: dict[str, Any]) -> str:
     release = env["torch"].split("+")[0]
     if env["device_type"] == "cuda":
         cuda = (env.get("cuda") or "unknown").replace(".", "")
-        return f"torch{release}-cu{cuda}-sm{env.get('gpu_capability', '?').replace('.', '')}"
+        ptx = "-ptx" if env.get("gpu_multi_arch") else ""  # also runs on later GPUs (manifest.gpu_fits)
+        return f"torch{release}-cu{cuda}-sm{env.get('gpu_capability', '?').replace('.', '')}{ptx}"
     machine = env["platform"].split("-", 1)[-1]
     return f"torch{release}-cpu-{machine}-{env['cpu_isa'].lower()}"
 
@@ -138,7 +140,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
         HubError: a Hub request failed; no commit was made.
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-    from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError
 
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -148,44 +150,63 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
     bench = json.loads(bench_file.read_text()) if bench_file.is_file() else None
     local = [MANIFEST_NAME, *manifest["files"]] + (["bench.json"] if bench else [])
     api = _api(token)
+    description = (f"{manifest['target']['name']} built by aotbuild {manifest['aotbuild']} "
+                   f"with torch {manifest['environment']['torch']}")
     try:
         if not dry_run:
             api.create_repo(repo_id, private=private, exist_ok=True)
             if revision:
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
-        try:
-            remote = api.list_repo_files(repo_id, revision=revision)
-        except RevisionNotFoundError:
-            remote = []
-        except HfHubHTTPError as exc:  # a repo that does not exist yet (dry run)
-            if not dry_run or getattr(exc.response, "status_code", None) != 404:
-                raise
-            remote = []
-        index = {"variants": []}
-        if INDEX_NAME in remote:
-            index = _read_index(Path(api.hf_hub_download(repo_id, INDEX_NAME, revision=revision)))
-        index["variants"] = sorted([v for v in index["variants"] if v["path"] != path]
-                                   + [index_entry(path, manifest, bench)], key=lambda v: v["path"])
-        operations: list[Any] = [CommitOperationAdd(f"{path}/{rel}", str(folder / rel)) for rel in local]
-        operations += [CommitOperationDelete(f) for f in remote if f.startswith(path + "/")
-                       and f[len(path) + 1:] not in local]
-        operations += [
-            CommitOperationAdd(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode()),
-            CommitOperationAdd(CARD_NAME, model_card(repo_id, index).encode()),
-        ]
-        result = PushResult(repo_id, path, [_describe(op) for op in operations])
-        if dry_run:
-            return result
-        description = (f"{manifest['target']['name']} built by aotbuild {manifest['aotbuild']} "
-                       f"with torch {manifest['environment']['torch']}")
-        info = api.create_commit(repo_id, operations, commit_message=f"aotbuild: {path}",
-                                 commit_description=description, revision=revision, create_pr=create_pr)
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            head, remote, index = _remote_state(api, repo_id, revision, dry_run)
+            index["variants"] = sorted([v for v in index["variants"] if v["path"] != path]
+                                       + [index_entry(path, manifest, bench)], key=lambda v: v["path"])
+            operations: list[Any] = [CommitOperationAdd(f"{path}/{rel}", str(folder / rel)) for rel in local]
+            operations += [CommitOperationDelete(f) for f in remote if f.startswith(path + "/")
+                           and f[len(path) + 1:] not in local]
+            operations += [
+                CommitOperationAdd(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode()),
+                CommitOperationAdd(CARD_NAME, model_card(repo_id, index).encode()),
+            ]
+            result = PushResult(repo_id, path, [_describe(op) for op in operations])
+            if dry_run:
+                return result
+            try:
+                # Against the head the index was read at: a push that landed meanwhile makes the Hub
+                # refuse (412) instead of this commit silently dropping its variant from index.json.
+                info = api.create_commit(repo_id, operations, commit_message=f"aotbuild: {path}",
+                                         commit_description=description, revision=revision,
+                                         create_pr=create_pr, parent_commit=head)
+                break
+            except HfHubHTTPError as exc:
+                if getattr(exc.response, "status_code", None) != 412 or attempt == PUSH_ATTEMPTS:
+                    raise
     except AotbuildError:
         raise
     except Exception as exc:  # HTTP errors, the client's connection errors, offline mode, bad repo ids
         raise _hub_error(f"push to {repo_id}", exc) from None
     result.commit_url, result.pr_url = info.commit_url, info.pr_url
     return result
+
+
+def _remote_state(api: Any, repo_id: str, revision: str | None, dry_run: bool) -> tuple[str | None, list[str], dict]:
+    """(head commit, files, index) of the branch, all as of one commit; (None, [], empty index) for
+    a repo or branch that does not exist yet (a dry run creates nothing)."""
+    from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
+
+    try:
+        info = api.repo_info(repo_id, revision=revision)
+    except RevisionNotFoundError:
+        return None, [], {"variants": []}
+    except HfHubHTTPError as exc:  # a repo that does not exist yet (dry run)
+        if not dry_run or getattr(exc.response, "status_code", None) != 404:
+            raise
+        return None, [], {"variants": []}
+    remote = [sibling.rfilename for sibling in info.siblings or []]
+    index = {"variants": []}
+    if INDEX_NAME in remote:
+        index = _read_index(Path(api.hf_hub_download(repo_id, INDEX_NAME, revision=info.sha)))
+    return info.sha, remote, index
 
 
 def _describe(op: Any) -> str:
@@ -237,7 +258,9 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
         wanted = f"{variant_id(here)}, torch {here['torch']}" + (f", {dtype}" if dtype else "")
         raise NoMatchingVariantError(f"no variant fits this machine ({wanted}); the repo has: {available or 'nothing'}",
                                      hint="build one here (aotbuild build) and push it, or name one with --variant")
-    fitting.sort(key=lambda v: v["environment"].get("cpu_isa") != here.get("cpu_isa"))
+    # Built for exactly this machine first: same CPU ISA, same GPU (not PTX JIT-compiled for it).
+    fitting.sort(key=lambda v: (v["environment"].get("cpu_isa") != here.get("cpu_isa"),
+                                v["environment"].get("gpu_capability") != here.get("gpu_capability")))
     return fitting[0]
 
 

@@ -27,6 +27,7 @@ import json
 import re
 import socket
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -130,6 +131,9 @@ class FakeHub:
         self.repos: dict[str, dict] = {}
         self.lfs: dict[str, bytes] = {}  # sha256 -> content, shared by all repos like the Hub's LFS store
         self.fail_next: dict[str, int] = {}
+        # Another client's work that lands just before the next commit request is served: a race
+        # between two pushes, made deterministic. Runs outside the lock, so it may call the server.
+        self.before_next_commit: Callable[[], None] | None = None
         self._lock = threading.RLock()
         self._conns: set[socket.socket] = set()
         self._oids = itertools.count()
@@ -198,6 +202,9 @@ class FakeHub:
         headers = {k.lower(): v for k, v in handler.headers.items()}
         body = _read_body(handler.rfile, headers)
         base = f"http://{headers.get('host') or f'{self.host}:{self.port}'}"  # urls in answers use the client's host
+        if handler.command == "POST" and "/commit/" in split.path and (hook := self.before_next_commit):
+            self.before_next_commit = None
+            hook()
         try:
             with self._lock:  # one request at a time: commits are trivially atomic
                 status, out_headers, payload = self._route(handler.command, split.path, query, headers, body, base)

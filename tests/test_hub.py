@@ -58,6 +58,8 @@ def test_parse_repo_and_variant_names():
     assert HERE == "torch2.13.0-cpu-x86_64-avx512"
     assert variant_id({"torch": "2.13.0+cu128", "device_type": "cuda", "cuda": "12.8",
                        "gpu_capability": "9.0"}) == "torch2.13.0-cu128-sm90"
+    assert variant_id({"torch": "2.13.0+cu128", "device_type": "cuda", "cuda": "12.8", "gpu_capability": "8.0",
+                       "gpu_multi_arch": True}) == "torch2.13.0-cu128-sm80-ptx"
 
 
 def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
@@ -127,6 +129,19 @@ def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):
     index = json.loads((found.folder.parent.parent / "index.json").read_text()) \
         if (found.folder.parent.parent / "index.json").exists() else None
     assert len(hub.commits(REPO)) == 3 and (index is None or len(index["variants"]) == 2)
+
+
+def test_concurrent_pushes_both_stay_in_the_index(hub, built, tmp_path):
+    other = other_torch_copy(built, tmp_path)
+    hub.before_next_commit = lambda: push(other, REPO)  # lands after this push read index.json
+    push(built.folder, REPO)
+    commits = hub.commits(REPO)
+    assert len(commits) == 3
+    index = json.loads(commits[-1]["files"]["index.json"])
+    assert [v["path"] for v in index["variants"]] == ["cpu-tiny-sdxl/torch2.12.0-cpu-x86_64-avx512",
+                                                      f"cpu-tiny-sdxl/{HERE}"]
+    refused = [r for r in hub.requests if "/commit/" in r["path"] and r["status"] == 412]
+    assert len(refused) == 1  # the first try was refused, not merged blindly
 
 
 def test_corrupted_download_is_refused(hub, built, tmp_path):
