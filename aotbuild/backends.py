@@ -27,12 +27,12 @@ def built_artifact(target: Target, artifacts_dir: Path) -> Path:
     return folder
 
 
-def prepare(target: Target, backend: str, artifacts_dir: Path) -> Any:
-    """A ready pipeline for `target` run the `backend` way."""
+def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: bool | None = None) -> Any:
+    """A ready pipeline for `target` run the `backend` way (`cuda_graphs`: aot only, None = as built)."""
     if backend == "aot":
         from .runtime import load_pipeline
 
-        pipe = load_pipeline(built_artifact(target, artifacts_dir))
+        pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs)
     elif backend in ("eager", "compile"):
         from .builder import _check_device, _load_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec
@@ -70,8 +70,11 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0) -> Generation:
     """One image call, timing the first denoising step (the cost a cold start shows) and the total."""
     marks: list[float] = []
+    # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
 
     def on_step_end(pipeline: Any, step: int, timestep: Any, kwargs: dict) -> dict:
+        sync()
         marks.append(time.perf_counter())
         return kwargs
 

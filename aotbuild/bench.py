@@ -23,8 +23,9 @@ from .errors import AotbuildError
 
 CASES = ("eager", "compile", "compile-cached", "aot")
 # Opt-in: the same artifact served by its dynamic model only, at the first bucket's shape (the
-# cost of dynamism next to the static bucket).
-EXTRA_CASES = ("aot-dynamic",)
+# cost of dynamism next to the static bucket); served with CUDA graphs on or off, whatever the
+# target says (`aot` runs it as built).
+EXTRA_CASES = ("aot-dynamic", "aot-cuda-graphs", "aot-no-cuda-graphs")
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -118,6 +119,9 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     cases = tuple(c for c in CASES + EXTRA_CASES if c in cases)
     if "aot-dynamic" in cases and not target.dynamic:
         raise AotbuildError(f"case aot-dynamic needs a target with [dynamic]; {target.name} has none")
+    for case in ("aot-cuda-graphs", "aot-no-cuda-graphs"):
+        if case in cases and target.device != "cuda":
+            raise AotbuildError(f"case {case} needs a CUDA target; {target.name} runs on {target.device}")
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
     folder = built_artifact(target, artifacts_dir)
@@ -153,7 +157,8 @@ def plot(document: dict[str, Any], path: Path) -> None:
         medians = [s["median"] or 0 for s in stats]
         errors = [[m - (s["min"] or m) for m, s in zip(medians, stats, strict=True)],
                   [(s["max"] or m) - m for m, s in zip(medians, stats, strict=True)]]
-        ax.bar(cases, medians, yerr=errors, capsize=4, color=["#888", "#c66", "#d96", "#4a8", "#7b9"][: len(cases)])
+        colors = ["#888", "#c66", "#d96", "#4a8", "#7b9", "#396", "#9c9"]
+        ax.bar(cases, medians, yerr=errors, capsize=4, color=colors[: len(cases)])
         ax.set_title(title)
     fig.suptitle(f"aotbuild bench: {document['meta']['target']} ({document['meta']['shape']}, "
                  f"{document['meta']['steps']} steps, {document['meta']['repeats']} repetitions)")
@@ -244,8 +249,9 @@ def _worker(args: argparse.Namespace) -> None:
     import diffusers  # noqa: F401  (imported before the clock: load_s is loading, not importing)
 
     rss_before, load_start = _rss_mib(), time.perf_counter()
-    backend = {"compile-cached": "compile", "aot-dynamic": "aot"}.get(args.case, args.case)
-    pipe = prepare(target, backend, Path(args.artifacts))
+    backend = "aot" if args.case.startswith("aot") else "compile" if args.case == "compile-cached" else args.case
+    cuda_graphs = {"aot-cuda-graphs": True, "aot-no-cuda-graphs": False}.get(args.case)
+    pipe = prepare(target, backend, Path(args.artifacts), cuda_graphs=cuda_graphs)
     if args.case == "aot-dynamic":
         for component in pipe.components.values():
             if hasattr(component, "variants"):

@@ -60,20 +60,30 @@ class BuildResult:
 
 
 class _Stages:
-    """Times each stage (summed over repeats) and reports it through `progress`."""
+    """Times each stage (summed over repeats) and reports it through `progress`; on a CUDA build
+    also each stage's peak GPU memory (the highest over its repeats)."""
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Progress, cuda: bool = False) -> None:
         self.progress = progress
+        self.cuda = cuda
         self.timings: dict[str, float] = {}
+        self.peak_gpu_mib: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, stage: str, message: str) -> Iterator[None]:
         self.progress(stage, message)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         yield
         elapsed = time.perf_counter() - start
         self.timings[stage] = self.timings.get(stage, 0.0) + elapsed
-        self.progress(stage, f"done in {elapsed:.1f}s")
+        suffix = ""
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            self.peak_gpu_mib[stage] = round(max(peak, self.peak_gpu_mib.get(stage, 0.0)), 1)
+            suffix = f", peak GPU memory {peak / 1024:.1f} GiB"
+        self.progress(stage, f"done in {elapsed:.1f}s{suffix}")
 
 
 def variant_name(bucket: ShapeBucket) -> str:
@@ -120,7 +130,7 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
         staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{target.name}-", dir=staging_root))
         staging.chmod(0o755)
         try:
-            manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress))
+            manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress, target.device == "cuda"))
             artifacts_dir.mkdir(parents=True, exist_ok=True)
             _replace_folder(staging, folder, staging_root)
         except OSError as exc:
@@ -148,13 +158,17 @@ def _check_device(target: Target) -> None:
         if target.gpu and found != target.gpu.capability:
             raise BuildError(f"target {target.name} is for compute capability {target.gpu.capability} "
                              f"({target.gpu.name}); this GPU is {found}")
+        if target.gpu and target.gpu.multi_arch and not export.multi_arch_tool():
+            raise BuildError(f"target {target.name} asks for multi-arch kernels, and neither fatbinary nor nvcc "
+                             f"(the CUDA toolkit) is on PATH", hint="install the CUDA toolkit or set CUDA_HOME")
 
 
 def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -> dict[str, Any]:
     spec = pipeline_spec(target.pipeline)
     specs = [spec.component(name) for name in target.components]
     device = torch.device(target.device)
-    inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize))
+    inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize),
+                                               multi_arch=bool(target.gpu and target.gpu.multi_arch))
     points = _capture_points(target)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
@@ -171,6 +185,16 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
                         target.optimize, (call.args, call.kwargs)), call.output) for c, call in
                         optimized[points[name]].items()}
                     for name in examples}
+    runtime = {"cuda_graphs": target.cuda_graphs, "scheduler": type(pipe.scheduler).__name__,
+               # Not weights, but part of the recipe: where the scheduler keeps its sigmas (on CPU,
+               # each step's sigma lookup costs no device sync; diffusers' Euler schedulers do this).
+               "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a"))}
+    # Compile needs only the modules being compiled and the example inputs: the other models and
+    # the references leave the device first (for full-size Flux, T5-XXL alone is 9 GiB in bf16).
+    _release_others(pipe, specs)
+    reference = {point: {c: call.to("cpu") for c, call in calls.items()} for point, calls in reference.items()}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     components = {}
     for s in specs:
@@ -187,13 +211,10 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "target": target.to_dict(),
         "target_hash": target.content_hash(),
         "source": _source_record(target),
-        "environment": environment(target.device),
+        "environment": _environment(target),
         "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
         "components": components,
-        # Not weights, but part of the recipe: where the scheduler keeps its sigmas (on CPU, each
-        # step's sigma lookup costs no device sync; diffusers' Euler schedulers already do this).
-        "runtime": {"scheduler": type(pipe.scheduler).__name__,
-                    "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a"))},
+        "runtime": runtime,
         "files": {},
         "timings": {},
     }
@@ -204,8 +225,27 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         for p in sorted(out.rglob("*")) if p.is_file()
     }
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
+    if stages.cuda:
+        manifest["peak_gpu_mib"] = stages.peak_gpu_mib
     write_manifest(out, manifest)
     return manifest
+
+
+def _environment(target: Target) -> dict[str, Any]:
+    """This machine's fingerprint, plus whether the kernels carry PTX for later GPUs (the
+    compatibility check and the Hub variant name read it from here)."""
+    env = environment(target.device)
+    if target.gpu is not None:
+        env["gpu_multi_arch"] = target.gpu.multi_arch
+    return env
+
+
+def _release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
+    """Move the pipeline's models that are not compiled (text encoders) off the device."""
+    compiled = {s.attribute for s in specs}
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module) and name not in compiled:
+            component.to("cpu")
 
 
 def _source_record(target: Target) -> dict[str, Any]:
@@ -366,12 +406,17 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
     from .runtime import _load_weights
 
     failures = []
+    cuda_graphs = manifest["runtime"]["cuda_graphs"]
     for name, entry in manifest["components"].items():
         weights = _load_weights(out / entry["weights"], device)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         package_sha = sha256_file(out / entry["package"])
         for variant_entry in entry["variants"]:
             variant = CompiledVariant(out / entry["package"], variant_entry, device, weights, package_sha)
+            # The runtime's graph mode is checked too: captured, replayed, replayed again.
+            graphed = CompiledVariant(out / entry["package"], variant_entry, device, weights, package_sha,
+                                      torch.cuda.graph_pool_handle()) if cuda_graphs and "bucket" in variant_entry \
+                else None
             checked = ["dynamic:min", "dynamic:base", "dynamic:max"] if "dynamic" in variant_entry else [variant.name]
             errors = {}
             for point in checked:
@@ -380,12 +425,16 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                 if leaves is None or not variant.accepts(leaves):
                     raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
                                      f"{points[point]}")
-                with torch.no_grad():
-                    result = variant.run(leaves, device)
-                result = result[0] if isinstance(result, (tuple, list)) else result
-                expected = call.output.float()
-                error = (result.float() - expected).abs().max().item()
-                errors[str(points[point])] = (error, error / max(expected.abs().max().item(), 1e-6))
+                runs = {str(points[point]): variant}
+                if graphed is not None:
+                    runs |= {f"{points[point]} CUDA graph": graphed, f"{points[point]} CUDA graph replay": graphed}
+                expected = call.output.float().to(device)
+                for label, model in runs.items():
+                    with torch.no_grad():
+                        result = model.run(leaves, device)
+                    result = result[0] if isinstance(result, (tuple, list)) else result
+                    error = (result.float() - expected).abs().max().item()
+                    errors[label] = (error, error / max(expected.abs().max().item(), 1e-6))
             worst_abs, worst_rel = max(errors.values(), key=lambda e: e[1] if e[1] == e[1] else float("inf"))
             variant_entry["numerics"] = {
                 "max_abs_error": worst_abs, "max_rel_error": worst_rel, "tolerance": tolerance,
@@ -393,7 +442,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
             }
             if not worst_rel <= tolerance:  # also catches NaN
                 failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
-            del variant
+            del variant, graphed
         del weights
     if failures and not allow_drift:
         raise NumericsError("compiled output differs from eager: " + "; ".join(failures),

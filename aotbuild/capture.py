@@ -24,6 +24,12 @@ class CapturedCall:
     kwargs: dict[str, Any]
     output: torch.Tensor
 
+    def to(self, device: str | torch.device) -> CapturedCall:
+        """The same call with every tensor on `device` (the build parks references on the host)."""
+        args, kwargs, output = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
+                                                    (self.args, self.kwargs, self.output))
+        return CapturedCall(args, kwargs, output)
+
 
 def _detached(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)

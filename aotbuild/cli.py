@@ -46,8 +46,9 @@ def targets(targets_dir: Path | None) -> None:
         shapes = ",".join(str(s) for s in t.shapes)
         if t.dynamic:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
+        runtime = ["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
         click.echo(f"{t.name:<20} {t.device:<5} {t.dtype:<9} {t.pipeline:<26} shapes={shapes} "
-                   f"components={','.join(t.components)}")
+                   f"components={','.join(t.components)}" + (f" {' '.join(runtime)}" if runtime else ""))
 
 
 @main.command()
@@ -79,10 +80,12 @@ def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: 
 @click.option("--width", type=click.IntRange(1), help="pixels (default: the target's first bucket)")
 @click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="aot on CUDA: replay static buckets as CUDA graphs (default: the target's cuda_graphs)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
 def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, height: int | None,
-        width: int | None, batch: int | None, output: Path | None, artifacts: Path) -> None:
+        width: int | None, batch: int | None, output: Path | None, cuda_graphs: bool | None, artifacts: Path) -> None:
     """Generate an image with the artifact (aot) or the eager / torch.compile pipeline."""
     from .backends import generate, prepare
     from .targets import load_target
@@ -96,8 +99,10 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
         raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name")
     if output is not None and not output.parent.is_dir():
         raise AotbuildError(f"--output {output}: folder {output.parent} does not exist")
+    if cuda_graphs is not None and backend != "aot":
+        raise AotbuildError(f"--cuda-graphs/--no-cuda-graphs apply to --backend aot, not {backend}")
     start = time.perf_counter()
-    pipe = prepare(target, backend, artifacts)
+    pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs)
     load_s = time.perf_counter() - start
     gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or first.height,
                    width=width or first.width, batch=batch or first.batch, guidance_scale=target.guidance_scale)
@@ -199,7 +204,8 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) 
 @click.option("--steps", type=click.IntRange(2), default=4, show_default=True, help="denoising steps per image")
 @click.option("--steady", type=click.IntRange(1), default=3, show_default=True, help="steady images per process")
 @click.option("--cases", default=",".join(("eager", "compile", "compile-cached", "aot")), show_default=True,
-              help="comma-separated cases; aot-dynamic (the dynamic model at the first bucket's shape) on request")
+              help="comma-separated cases; on request: aot-dynamic (the dynamic model at the first bucket's "
+                   "shape), aot-cuda-graphs and aot-no-cuda-graphs (CUDA targets: graphs forced on / off)")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
@@ -245,7 +251,7 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         f"source     {m['source']['id']}" + (f"@{m['source']['revision']}" if m['source'].get('revision') else "")
         + (f" seed={m['source']['seed']}" if m['source'].get('seed') is not None else ""),
         f"built      {m['created']} by aotbuild {m['aotbuild']}, torch {env['torch']}, {env['platform']}, "
-        f"cpu {env['cpu_isa']}" + (f", {env['gpu_name']} sm{env['gpu_capability']}" if env.get("gpu_name") else ""),
+        f"cpu {env['cpu_isa']}" + (f", {_gpu_text(env)}" if env.get("gpu_name") else ""),
         f"passes     dtype={m['optimizations']['dtype']} "
         + " ".join(f"{k}={v}" for k, v in m["optimizations"]["passes"].items()),
         "components",
@@ -266,7 +272,17 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
     total = sum(f["bytes"] for f in m["files"].values())
     lines.append(f"  {'total':<26} {_mib(total):>10}")
     lines.append("timings    " + "  ".join(f"{k} {v:.1f}s" for k, v in m["timings"].items()))
+    if m.get("peak_gpu_mib"):
+        lines.append("peak GPU   " + "  ".join(f"{k} {v / 1024:.1f} GiB" for k, v in m["peak_gpu_mib"].items()))
+    if m.get("runtime", {}).get("cuda_graphs"):
+        lines.append("runtime    static buckets replay as CUDA graphs")
     return "\n".join(lines)
+
+
+def _gpu_text(env: dict[str, Any]) -> str:
+    """H200 sm9.0 (multi-arch), CUDA 12.8, driver 12.9, Triton 3.5."""
+    text = f"{env['gpu_name']} sm{env['gpu_capability']}" + (" (multi-arch)" if env.get("gpu_multi_arch") else "")
+    return text + f", CUDA {env.get('cuda')}, driver {env.get('cuda_driver')}, Triton {env.get('triton')}"
 
 
 if __name__ == "__main__":

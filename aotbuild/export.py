@@ -39,9 +39,32 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
-def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None) -> dict[str, Any]:
+# Set from the target's `gpu.multi_arch`, so the manifest's environment and the variant name say it.
+MULTI_ARCH_OPTION = "aot_inductor.emit_multi_arch_kernel"
+
+
+def supports_multi_arch() -> bool:
+    """Whether this torch's AOTInductor can emit multi-arch (PTX + SASS) kernels."""
+    from torch._inductor import config as inductor_config
+
+    return MULTI_ARCH_OPTION in inductor_config.get_config_copy()
+
+
+def multi_arch_tool() -> str | None:
+    """The CUDA toolkit program AOTInductor bundles multi-arch kernels with (fatbinary, else nvcc):
+    torch and Triton wheels ship neither."""
+    import shutil
+
+    from torch._inductor.codegen.cuda.compile_utils import _cuda_compiler
+
+    return shutil.which("fatbinary") or shutil.which(_cuda_compiler() or "nvcc")
+
+
+def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None, *,
+                     multi_arch: bool = False) -> dict[str, Any]:
     """The full per-compile option dict: profile, then the passes' flags, then the target's explicit
-    keys, then the weight-less packaging options. Unknown inductor keys are refused by name."""
+    keys, then the options aotbuild owns (weight-less packaging, multi-arch kernels). Unknown
+    inductor keys are refused by name."""
     from torch._inductor import config as inductor_config
 
     explicit = {k: v for k, v in target_options.items() if k != "profile"}
@@ -51,8 +74,11 @@ def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] 
             raise BuildError(f"[inductor] key {key!r} is not an inductor config option of torch {torch.__version__}")
         if key in WEIGHTLESS_OPTIONS:
             raise BuildError(f"[inductor] key {key!r} is set by aotbuild to keep packages weight-less")
+        if key == MULTI_ARCH_OPTION:
+            raise BuildError(f"[inductor] key {key!r} is set by aotbuild", hint="use gpu = { ..., multi_arch = true }")
     profile = PROFILES[target_options.get("profile", "default")]
-    return {**profile, **(pass_flags or {}), **explicit, **WEIGHTLESS_OPTIONS}
+    owned = {**WEIGHTLESS_OPTIONS, **({MULTI_ARCH_OPTION: True} if multi_arch else {})}
+    return {**profile, **(pass_flags or {}), **explicit, **owned}
 
 
 def custom_ops_called(files: list) -> list[str]:

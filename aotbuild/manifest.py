@@ -35,6 +35,33 @@ def cpu_isa_flags() -> list[str]:
     return sorted({flag for flag in line.split(":", 1)[-1].split() if flag.startswith(ISA_FLAG_PREFIXES)})
 
 
+def cuda_driver_version() -> str | None:
+    """The CUDA version the installed NVIDIA driver supports ("12.8"); None without a driver."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int()
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def gpu_fits(built: str, here: str, multi_arch: bool = False) -> bool:
+    """Whether kernels built on a GPU of compute capability `built` run on one of `here`.
+
+    SASS runs only on its own capability. Multi-arch kernels also carry PTX, which the driver JITs
+    for any later GPU, unless the PTX is arch-specific: from 9.0 on, Triton and AOTInductor emit
+    sm_90a-style PTX, so those artifacts still need their own capability.
+    """
+    if here == built:
+        return True
+    built_cc, here_cc = (tuple(int(part) for part in c.split(".")) for c in (built, here))
+    return multi_arch and built_cc < (9, 0) and here_cc > built_cc
+
+
 def aotbuild_version() -> str:
     from . import __version__
 
@@ -51,13 +78,15 @@ def environment(device: str) -> dict[str, Any]:
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": cpu_isa_flags(),
         "device_type": device,
-        "cuda": torch.version.cuda,
+        "cuda": torch.version.cuda,  # the CUDA runtime torch ships with
         "hip": getattr(torch.version, "hip", None),
     }
     if device == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         env["gpu_name"] = props.name
         env["gpu_capability"] = f"{props.major}.{props.minor}"
+        env["gpu_memory_mib"] = props.total_memory // 2**20
+        env["cuda_driver"] = cuda_driver_version()
         try:
             import triton
 
@@ -109,6 +138,12 @@ def verify_files(folder: Path, manifest: dict[str, Any]) -> None:
                                        hint="the file was changed or damaged; rebuild or pull it again")
 
 
+def _capability_hint(built: dict[str, Any]) -> str:
+    if built.get("gpu_multi_arch"):
+        return "its multi-arch kernels run on later GPUs only when built before compute capability 9.0"
+    return "rebuild on this GPU, or build with gpu = { ..., multi_arch = true } on an older one"
+
+
 def _isa_rank(isa: str) -> int:
     return CPU_ISA_ORDER.index(isa) if isa in CPU_ISA_ORDER else -1
 
@@ -136,8 +171,10 @@ def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dty
     if built["device_type"] == "cuda":
         if not torch.cuda.is_available():
             raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda")
-        if here.get("gpu_capability") != built.get("gpu_capability"):
-            raise IncompatibleArtifactError("gpu_capability", here.get("gpu_capability"), built.get("gpu_capability"))
+        if not gpu_fits(built.get("gpu_capability", "?"), here.get("gpu_capability", "?"),
+                        built.get("gpu_multi_arch", False)):
+            raise IncompatibleArtifactError("gpu_capability", here.get("gpu_capability"), built.get("gpu_capability"),
+                                            hint=_capability_hint(built))
     else:
         if _isa_rank(here["cpu_isa"]) < _isa_rank(built["cpu_isa"]) or (
             _isa_rank(built["cpu_isa"]) < 0 and here["cpu_isa"] != built["cpu_isa"]

@@ -111,15 +111,59 @@ def _weight(weights: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.
         raise CorruptArtifactError(f"{package}: the weights file lacks constant {fqn!r}") from None
 
 
+class CudaGraph:
+    """One static-shape compiled model captured as a CUDA graph on its first call, then replayed.
+
+    AOTInductor launches every kernel from the host on each call; a replay launches the recorded
+    sequence at once. Inputs are copied into static buffers (the copy also converts dtype, device
+    and layout to what the model was compiled for); outputs are cloned out of the graph's memory,
+    which the next replay overwrites. Variants of one component share `pool`: they never run at
+    the same time, and the outputs they keep alive are never handed out again.
+    """
+
+    def __init__(self, run: Any, inputs: list[dict[str, Any]], device: torch.device, pool: Any) -> None:
+        self._run, self._device, self._pool = run, device, pool
+        self._static = [torch.empty_strided(e["shape"], e["stride"], dtype=getattr(torch, e["dtype"]), device=device)
+                        for e in inputs if "shape" in e]
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._outputs: list[torch.Tensor] = []
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        for static, tensor in zip(self._static, tensors, strict=True):
+            static.copy_(tensor)
+        if self._graph is None:
+            self._capture()
+        self._graph.replay()
+        return [output.clone() for output in self._outputs]
+
+    def _capture(self) -> None:
+        # One ordinary run first, on a side stream: it loads the kernels (module loading cannot be
+        # captured) and settles the allocator. The model takes the current stream, so under
+        # `torch.cuda.graph` its launches are recorded. The runner empties the list it is given.
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            self._run(list(self._static))
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # Relaxed: before launching, AOTInductor's model container queries the CUDA event of its
+        # previous run (cudaEventQuery), a call the default capture mode forbids. After capture
+        # this runner is only ever replayed, never run directly again.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="relaxed"):
+            self._outputs = self._run(list(self._static))
+        self._graph = graph
+
+
 class CompiledVariant:
     """One compiled model of a package (one shape variant), bound to its weights.
 
     On CPU the model's library is loaded straight from the extracted-package cache with the
     container runner (no archive extraction per process); on CUDA through torch's package loader.
+    A static variant given a `cuda_graph_pool` replays as a CUDA graph (`CudaGraph`).
     """
 
     def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
-                 weights: dict[str, torch.Tensor], sha256: str | None = None) -> None:
+                 weights: dict[str, torch.Tensor], sha256: str | None = None, cuda_graph_pool: Any = None) -> None:
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
@@ -143,6 +187,9 @@ class CompiledVariant:
         in_spec, out_spec = runner.get_call_spec()
         self.in_spec = pytree.treespec_loads(in_spec)
         self.out_spec = pytree.treespec_loads(out_spec)
+        self.cuda_graph = None
+        if cuda_graph_pool is not None and "bucket" in entry:
+            self.cuda_graph = CudaGraph(self._run, self.inputs, device, cuda_graph_pool)
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""
@@ -172,6 +219,9 @@ class CompiledVariant:
         return True
 
     def run(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
+        if self.cuda_graph is not None:
+            tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
+            return pytree.tree_unflatten(self.cuda_graph(tensors), self.out_spec)
         tensors = []
         for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -300,7 +350,8 @@ def _load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
 def load_components(folder: str | os.PathLike, *, device: str | torch.device | None = None,
                     dtype: str | None = None, eager: dict[str, torch.nn.Module] | None = None,
-                    verify: bool = True) -> tuple[dict[str, Any], dict[str, CompiledComponent]]:
+                    verify: bool = True, cuda_graphs: bool | None = None,
+                    ) -> tuple[dict[str, Any], dict[str, CompiledComponent]]:
     """Check an artifact and load its compiled components.
 
     Args:
@@ -309,6 +360,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         dtype: refuse the artifact unless it was built for this dtype.
         eager: original modules by component name, used (with a warning) for uncovered shapes.
         verify: check every file's sha256 before loading native code.
+        cuda_graphs: replay static buckets as CUDA graphs; None takes the target's `cuda_graphs`.
 
     Returns:
         (manifest, {pipeline attribute: CompiledComponent}).
@@ -326,12 +378,19 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         # The artifact was validated with TF32 matmuls; cuBLAS calls inside it read these flags.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if cuda_graphs is None:
+        cuda_graphs = manifest["runtime"].get("cuda_graphs", False)
+    if cuda_graphs and device.type != "cuda":
+        raise AotbuildError(f"CUDA graphs need a CUDA device; this artifact runs on {device.type}",
+                            hint="load it with cuda_graphs=False")
     modules = {}
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         weights = _load_weights(folder / entry["weights"], device)
         sha256 = manifest["files"][entry["package"]]["sha256"] if verify else None  # None: hash the file
-        variants = [CompiledVariant(folder / entry["package"], v, device, weights, sha256) for v in entry["variants"]]
+        pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        variants = [CompiledVariant(folder / entry["package"], v, device, weights, sha256, pool)
+                    for v in entry["variants"]]
         modules[entry["attribute"]] = CompiledComponent(
             name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants, weights, device,
             eager=(eager or {}).get(name))
@@ -349,11 +408,13 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
     return Path(artifact), False
 
 
-def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False) -> Any:
+def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False,
+          cuda_graphs: bool | None = None) -> Any:
     """Swap an artifact's compiled components into a pipeline the user already has.
 
     The pipeline's original modules of those components are released (unless `eager_fallback`,
-    which keeps them to run shapes no variant covers, with a warning).
+    which keeps them to run shapes no variant covers, with a warning). `cuda_graphs` as in
+    `load_components`.
 
     Returns:
         The same pipeline, modified in place.
@@ -367,15 +428,16 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = Fals
     eager = None
     if eager_fallback:
         eager = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
-    _, modules = load_components(artifact, device=device, eager=eager, verify=not verified)
+    _, modules = load_components(artifact, device=device, eager=eager, verify=not verified, cuda_graphs=cuda_graphs)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     return pipe
 
 
-def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None) -> Any:
+def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
+                  cuda_graphs: bool | None = None) -> Any:
     """Build the artifact's pipeline with its compiled components plugged in. `artifact` is a folder
-    or `hf://org/name[@revision]`.
+    or `hf://org/name[@revision]`; `cuda_graphs` as in `load_components`.
 
     The original weights of compiled components are never loaded; the other components come from
     the manifest's source (the Hub at the pinned revision, a local folder, or the artifact's own
@@ -388,7 +450,8 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     from .sources import load_components as load_source_components
 
     folder, verified = artifact_folder(artifact, device=device, dtype=dtype)
-    manifest, modules = load_components(folder, device=device, dtype=dtype, verify=not verified)
+    manifest, modules = load_components(folder, device=device, dtype=dtype, verify=not verified,
+                                        cuda_graphs=cuda_graphs)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])
     if is_random(target["source"]):

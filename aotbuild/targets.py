@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import export
 from .errors import SourceError, TargetError
 from .export import PROFILES
 from .manifest import DTYPES as DTYPE_BY_NAME
@@ -21,7 +22,7 @@ DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
-    "guidance_scale", "shapes", "dynamic", "components", "optimize", "inductor",
+    "guidance_scale", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs",
 )
 REQUIRED_KEYS = ("name", "pipeline", "source", "device", "shapes", "components")
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -43,6 +44,9 @@ class ShapeBucket:
 class GpuSpec:
     name: str
     capability: str
+    # Kernels as fatbins with PTX as well as SASS (`aot_inductor.emit_multi_arch_kernel`): the
+    # driver can JIT them for newer GPUs where the PTX is not arch-specific (see manifest.gpu_fits).
+    multi_arch: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Target:
     dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width": [min, max]}
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
+    cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -177,14 +182,19 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     if "gpu" in raw:
         if device != "cuda":
             raise TargetError(f"{origin}: key 'gpu' is only allowed with device = \"cuda\"")
-        table = _expect(origin, "gpu", raw["gpu"], dict, "a table {name, capability}")
-        extra = sorted(set(table) - {"name", "capability"})
+        table = _expect(origin, "gpu", raw["gpu"], dict, "a table {name, capability[, multi_arch]}")
+        extra = sorted(set(table) - {"name", "capability", "multi_arch"})
         if extra or not {"name", "capability"} <= set(table):
-            raise TargetError(f"{origin}: key 'gpu' needs exactly name and capability, got {sorted(table)}")
+            raise TargetError(f"{origin}: key 'gpu' needs name and capability (and optionally multi_arch), "
+                              f"got {sorted(table)}")
         capability = str(table["capability"])
         if not re.fullmatch(r"\d+\.\d+", capability):
             raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
-        gpu = GpuSpec(name=str(table["name"]), capability=capability)
+        multi_arch = _expect(origin, "gpu.multi_arch", table.get("multi_arch", False), bool, "true or false")
+        if multi_arch and not export.supports_multi_arch():
+            raise TargetError(f"{origin}: key 'gpu.multi_arch': torch {export.torch.__version__} has no "
+                              f"aot_inductor.emit_multi_arch_kernel option")
+        gpu = GpuSpec(name=str(table["name"]), capability=capability, multi_arch=multi_arch)
     elif device == "cuda":
         raise TargetError(f"{origin}: device = \"cuda\" needs key 'gpu' = {{ name = ..., capability = ... }}")
 
@@ -246,11 +256,15 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         raise TargetError(f"{origin}: key 'inductor.profile' is {inductor['profile']!r}; "
                           f"allowed: {', '.join(PROFILES)}")
 
+    cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
+    if cuda_graphs and device != "cuda":
+        raise TargetError(f"{origin}: key 'cuda_graphs' is only allowed with device = \"cuda\"")
+
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
         components=tuple(components), description=str(raw.get("description", "")),
         revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, dynamic=dynamic,
-        optimize=dict(optimize), inductor=dict(inductor), base_dir=base_dir,
+        optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, base_dir=base_dir,
     )
 
 

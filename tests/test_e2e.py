@@ -38,7 +38,7 @@ def test_build_writes_complete_artifact(built, tiny_target):
     m = read_manifest(built.folder)
     assert m["target"] == tiny_target.to_dict() and m["target_hash"] == tiny_target.content_hash()
     assert m["source"] == {"id": "random:tiny-sdxl", "revision": None, "seed": 0}
-    assert m["runtime"] == {"scheduler": "EulerDiscreteScheduler", "sigmas_device": "cpu"}
+    assert m["runtime"] == {"cuda_graphs": False, "scheduler": "EulerDiscreteScheduler", "sigmas_device": "cpu"}
     env = m["environment"]
     assert env["torch"] == torch.__version__ and env["torch_git"] == torch.version.git_version
     assert env["cpu_isa"] == torch.backends.cpu.get_cpu_capability() and env["device_type"] == "cpu"

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from aotbuild.cli import main
-from aotbuild.errors import TargetError
+from aotbuild.errors import AotbuildError, TargetError
 from aotbuild.targets import Target, list_targets, load_target
 
 from .conftest import TARGETS
@@ -76,6 +76,15 @@ BAD = [
      r"'gpu' is only allowed with device = \"cuda\""),
     (GOOD.replace('device = "cpu"', 'device = "cuda"'), r"needs key 'gpu'"),
     (GOOD.replace('device = "cpu"', 'device = "tpu"'), r"'device' is 'tpu'; allowed: cpu, cuda"),
+    (GOOD.replace('device = "cpu"', 'device = "cuda"\ngpu = { name = "A100", capability = "8.0", ptx = true }'),
+     r"'gpu' needs name and capability \(and optionally multi_arch\), got \['capability', 'name', 'ptx'\]"),
+    (GOOD.replace('device = "cpu"', 'device = "cuda"\ngpu = { name = "A100", capability = "8.0", multi_arch = 1 }'),
+     r"'gpu.multi_arch' must be true or false, got 1"),
+    (GOOD.replace('device = "cpu"', 'device = "cpu"\ncuda_graphs = true'),
+     r"'cuda_graphs' is only allowed with device = \"cuda\""),
+    (GOOD.replace('device = "cpu"',
+                  'device = "cuda"\ngpu = { name = "H100", capability = "9.0" }\ncuda_graphs = "yes"'),
+     r"'cuda_graphs' must be true or false, got 'yes'"),
     (GOOD.replace('device = "cpu"', 'device = "cpu"\ndtype = "int3"'), r"'dtype' is 'int3'; allowed: float32"),
     (GOOD + "[optimize]\nturbo = true\n", r"unknown key 'optimize.turbo'; known passes: tf32, sdpa, fuse_qkv"),
     (GOOD + '[optimize]\nsdpa = "flash"\n', r"optimize.sdpa = 'flash' needs CUDA"),
@@ -111,3 +120,18 @@ def test_cli_targets_lists_one_line_each():
     assert "shapes=1x64x64,2x64x96,1-3x32-96x32-96" in lines["cpu-tiny-sdxl"]
     assert "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
     assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
+
+
+def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):
+    from aotbuild.export import MULTI_ARCH_OPTION, inductor_options
+
+    text = GOOD.replace('device = "cpu"', 'device = "cuda"\ngpu = { name = "A100", capability = "8.0", '
+                                          'multi_arch = true }\ncuda_graphs = true')
+    target = load_target(write_target(tmp_path, text))
+    assert target.gpu.multi_arch and target.cuda_graphs
+    assert Target.from_dict(target.to_dict(), target.base_dir) == target
+    assert inductor_options(target.inductor, multi_arch=target.gpu.multi_arch)[MULTI_ARCH_OPTION] is True
+    assert MULTI_ARCH_OPTION not in inductor_options({})
+    with pytest.raises(AotbuildError, match="is set by aotbuild") as info:
+        inductor_options({MULTI_ARCH_OPTION: True})
+    assert "multi_arch = true" in info.value.hint

@@ -1,0 +1,109 @@
+"""GPU identity, multi-arch fit and the CUDA-graph runtime. The rules are checked everywhere; the
+CUDA-only tests build a tiny SDXL for this machine's GPU and compare graph replay with plain runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from aotbuild.cli import main
+from aotbuild.errors import AotbuildError
+from aotbuild.manifest import cuda_driver_version, environment, gpu_fits
+from aotbuild.runtime import load_components
+
+from .conftest import build_once, generate
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-only: this machine has no CUDA device")
+
+
+def CUDA(test):  # noqa: N802  (a marker: CUDA-only, and it builds)
+    return pytest.mark.slow(CUDA_ONLY(test))
+
+
+@pytest.mark.parametrize(("built_on", "runs_on", "multi_arch", "fits"), [
+    ("9.0", "9.0", False, True),
+    ("8.0", "8.6", False, False),   # SASS runs on its own capability only
+    ("8.0", "8.6", True, True),     # PTX for compute_80 is JIT-compiled for later GPUs
+    ("8.0", "9.0", True, True),
+    ("8.6", "8.0", True, False),    # never for an older one
+    ("9.0", "10.0", True, False),   # sm_90a PTX is arch-specific
+    ("8.9", "12.0", True, True),
+])
+def test_which_gpus_an_artifact_fits(built_on, runs_on, multi_arch, fits):
+    assert gpu_fits(built_on, runs_on, multi_arch) is fits
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA driver")
+def test_no_driver_means_no_gpu_fields():
+    assert cuda_driver_version() is None
+    assert "gpu_name" not in environment("cuda") and "cuda_driver" not in environment("cpu")
+
+
+@pytest.mark.slow
+def test_cuda_graphs_need_a_cuda_device(built):
+    with pytest.raises(AotbuildError, match="CUDA graphs need a CUDA device; this artifact runs on cpu"):
+        load_components(built.folder, cuda_graphs=True)
+    result = CliRunner().invoke(main, ["run", "--target", "cpu-tiny-sdxl", "--prompt", "x", "--backend", "eager",
+                                       "--cuda-graphs"])
+    assert result.exit_code == 1 and "apply to --backend aot, not eager" in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", "cpu-tiny-sdxl", "--cases", "aot,aot-cuda-graphs",
+                                       "--artifacts", str(built.artifacts)])
+    assert result.exit_code == 1 and "case aot-cuda-graphs needs a CUDA target" in result.output
+
+
+@pytest.fixture(scope="module")
+def cuda_built(tmp_path_factory, tiny_target):
+    """The tiny SDXL for this GPU in bfloat16 with fused QKV, graphs on (built and graph-checked once)."""
+    from aotbuild.targets import GpuSpec
+
+    capability = "{}.{}".format(*torch.cuda.get_device_capability())
+    target = dataclasses.replace(tiny_target, name="cuda-tiny-sdxl", device="cuda", dtype="bfloat16",
+                                 gpu=GpuSpec(torch.cuda.get_device_name(), capability), dynamic=None,
+                                 optimize={"fuse_qkv": True}, cuda_graphs=True)
+    return build_once(tmp_path_factory, target), target
+
+
+@CUDA
+def test_cuda_build_records_gpu_identity_memory_and_graph_check(cuda_built):
+    built, _ = cuda_built
+    m = built.manifest
+    env = m["environment"]
+    assert env["gpu_capability"] == "{}.{}".format(*torch.cuda.get_device_capability())
+    assert env["cuda_driver"] and env["triton"] and env["gpu_multi_arch"] is False
+    assert m["runtime"]["cuda_graphs"] is True
+    assert set(m["peak_gpu_mib"]) >= {"load", "capture", "compile", "validate"}
+    for variant in m["components"]["unet"]["variants"]:
+        checked = variant["numerics"]["checked_at"]
+        assert any(c.endswith("CUDA graph replay") for c in checked), checked
+
+
+@CUDA
+def test_graph_replay_equals_plain_runs_on_new_inputs(cuda_built):
+    built, _ = cuda_built
+    _, graphed = load_components(built.folder, cuda_graphs=True)
+    _, plain = load_components(built.folder, cuda_graphs=False)
+    graph_model, plain_model = (next(v for v in c["unet"].variants if v.name == "b1_64x64") for c in (graphed, plain))
+    assert graph_model.cuda_graph is not None and plain_model.cuda_graph is None
+    generator = torch.Generator("cuda").manual_seed(0)
+    outputs = []
+    for _ in range(3):  # capture, then replays on fresh inputs: the static buffers really are refilled
+        leaves = [(i["path"], torch.randn(i["shape"], device="cuda", generator=generator).to(getattr(torch, i["dtype"]))
+                   if "shape" in i else None) for i in graph_model.inputs]
+        got, want = graph_model.run(leaves, torch.device("cuda")), plain_model.run(leaves, torch.device("cuda"))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        outputs.append(got[0] if isinstance(got, (tuple, list)) else got)
+    assert not torch.equal(outputs[0], outputs[1])
+
+
+@CUDA
+def test_pipeline_images_match_with_and_without_graphs(cuda_built):
+    from aotbuild.runtime import load_pipeline
+
+    built, target = cuda_built
+    bucket = target.shapes[0]
+    with_graphs = generate(load_pipeline(built.folder), bucket, steps=3)
+    without = generate(load_pipeline(built.folder, cuda_graphs=False), bucket, steps=3)
+    assert abs(with_graphs - without).max() <= 1 / 255
