@@ -172,15 +172,16 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     points = _capture_points(target)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
-        pipe = _load_pipeline(target, spec, device)
+        pipe = _load_pipeline(target, spec, torch.device("cpu"))  # _capture_all places the models
     with stages("capture", "eager float32 reference"):
-        reference = _capture_all(pipe, specs, target, list(points.values()), stages.progress)
+        reference = _capture_all(pipe, spec, specs, target, list(points.values()), device, stages.progress)
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
     examples = {name: reference[points[name]] for name in _export_points(points)}
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
-            optimized = _capture_all(pipe, specs, target, [points[n] for n in examples], stages.progress)
+            optimized = _capture_all(pipe, spec, specs, target, [points[n] for n in examples], device,
+                                     stages.progress)
         examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
                         target.optimize, (call.args, call.kwargs)), call.output) for c, call in
                         optimized[points[name]].items()}
@@ -277,14 +278,33 @@ def _export_points(points: dict[str, ShapeBucket]) -> list[str]:
     return [name for name in points if not name.startswith("dynamic:") or name == "dynamic:base"]
 
 
-def _capture_all(pipe: Any, specs: list, target: Target, buckets: list[ShapeBucket], progress: Progress) -> dict:
-    """{bucket: {component: CapturedCall}} from one pipeline call per distinct bucket."""
+def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, buckets: list[ShapeBucket],
+                 device: torch.device, progress: Progress) -> dict:
+    """{bucket: {component: CapturedCall}} from one pipeline call per distinct bucket.
+
+    One group of models is on the device at a time: the text encoders encode the prompt for each
+    batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
+    peak is the larger group, not the whole pipeline (full-size Flux in float32: T5-XXL 19 GB,
+    the transformer 48 GB)."""
+    models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    encoders = [m for n, m in models.items() if n.startswith("text_encoder")]
+    others = [m for n, m in models.items() if not n.startswith("text_encoder")]
+    for module in encoders:
+        module.to(device)
+    embeds = {batch: capture.encode_prompt(pipe, spec, batch=batch, guidance_scale=target.guidance_scale,
+                                           device=device)
+              for batch in sorted({b.batch for b in buckets})}
+    for module in encoders:
+        module.to("cpu")
+    for module in others:
+        module.to(device)
     calls: dict[ShapeBucket, dict] = {}
     for bucket in buckets:
         if bucket not in calls:
             progress("capture", f"at {bucket} (batch x height x width)")
             calls[bucket] = capture.capture_inputs(pipe, specs, batch=bucket.batch, height=bucket.height,
-                                                   width=bucket.width, guidance_scale=target.guidance_scale)
+                                                   width=bucket.width, guidance_scale=target.guidance_scale,
+                                                   prompt_embeds=embeds[bucket.batch])
     return calls
 
 

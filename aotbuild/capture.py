@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .pipelines import ComponentSpec
+from .pipelines import ComponentSpec, PipelineSpec
 
 
 @dataclass
@@ -69,14 +70,35 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
                 delattr(module, method)
 
 
+PROMPT = "a photo of a red fox in the snow"
+
+
+def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_scale: float,
+                  device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The pipeline's text encoding of the capture prompt for `batch` images, as the keyword
+    arguments its call takes instead of the prompt (so the text encoders can leave the device)."""
+    parameters = inspect.signature(pipe.encode_prompt).parameters
+    kwargs = {"prompt": PROMPT, "device": device, "num_images_per_prompt": batch}
+    kwargs |= {name: None for name in ("prompt_2", "prompt_3") if name in parameters}
+    if "do_classifier_free_guidance" in parameters:
+        kwargs["do_classifier_free_guidance"] = guidance_scale > 1
+    with torch.no_grad():
+        outputs = pipe.encode_prompt(**kwargs)
+    return {name: value for name, value in zip(pipeline.prompt_embeds, outputs, strict=True) if name}
+
+
 def capture_inputs(
     pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
+    prompt_embeds: dict[str, torch.Tensor | None] | None = None,
 ) -> dict[str, CapturedCall]:
-    """Run the pipeline once (one denoising step) at this shape and return each component's inputs."""
+    """Run the pipeline once (one denoising step) at this shape and return each component's inputs;
+    from `prompt_embeds` (made by `encode_prompt` for `batch` images) when given."""
+    prompt: dict[str, Any] = {"prompt": PROMPT, "num_images_per_prompt": batch}
+    if prompt_embeds is not None:
+        prompt = {**prompt_embeds, "num_images_per_prompt": 1}
     with recording(pipe, specs) as calls, torch.no_grad():
         pipe(
-            prompt="a photo of a red fox in the snow",
-            num_images_per_prompt=batch, height=height, width=width,
+            **prompt, height=height, width=width,
             num_inference_steps=1, guidance_scale=guidance_scale, output_type="np",
             generator=torch.Generator("cpu").manual_seed(0),
         )

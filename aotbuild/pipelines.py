@@ -83,6 +83,9 @@ class PipelineSpec:
     pixel_stride: Callable[[dict[str, dict]], int]
     default_stride: int
     max_denoiser_batch: int | None = None
+    # What `encode_prompt` returns, named as the pipeline's call takes it back (None: not taken).
+    prompt_embeds: tuple[str | None, ...] = ("prompt_embeds", "negative_prompt_embeds",
+                                             "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
 
     def component(self, name: str) -> ComponentSpec:
         try:
@@ -154,6 +157,7 @@ PIPELINES: dict[str, PipelineSpec] = {
         pixel_stride=_unet_pixel_stride,
         default_stride=64,  # SD 1.5: VAE factor 8 x UNet factor 8
         max_denoiser_batch=63,
+        prompt_embeds=("prompt_embeds", "negative_prompt_embeds"),
     ),
     "StableDiffusion3Pipeline": PipelineSpec(
         class_name="StableDiffusion3Pipeline",
@@ -166,6 +170,7 @@ PIPELINES: dict[str, PipelineSpec] = {
         components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER},
         pixel_stride=_packed_pixel_stride,
         default_stride=16,  # Flux: VAE factor 8 x 2x2 packing
+        prompt_embeds=("prompt_embeds", "pooled_prompt_embeds", None),  # text_ids: recomputed
     ),
 }
 

@@ -7,10 +7,11 @@ import inspect
 import pytest
 import torch
 
-from aotbuild.capture import capture_inputs, recording
+from aotbuild.capture import capture_inputs, encode_prompt, recording
 from aotbuild.pipelines import pipeline_spec
+from aotbuild.targets import load_target
 
-from .conftest import eager_pipeline
+from .conftest import TARGETS, eager_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,22 @@ def test_captured_tensors_are_copies(pipe, specs):
     calls = capture_inputs(pipe, specs, batch=1, height=64, width=64, guidance_scale=5.0)
     sample = calls["unet"].args[0]
     assert not sample.requires_grad and sample.is_contiguous() and sample.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny-sdxl", "cpu-tiny-sd15", "cpu-tiny-sd3", "cpu-tiny-flux"])
+def test_capture_from_prompt_embeddings_equals_capture_from_the_prompt(name):
+    """The build encodes prompts first (text encoders then leave the device): the denoiser and VAE
+    must see exactly what a prompt-driven call gives them."""
+    target = load_target(TARGETS / f"{name}.toml")
+    spec = pipeline_spec(target.pipeline)
+    specs = [spec.component(c) for c in target.components]
+    pipe = eager_pipeline(target)
+    bucket = target.shapes[0]
+    shape = dict(batch=bucket.batch, height=bucket.height, width=bucket.width, guidance_scale=target.guidance_scale)
+    from_prompt = capture_inputs(pipe, specs, **shape)
+    embeds = encode_prompt(pipe, spec, batch=bucket.batch, guidance_scale=target.guidance_scale,
+                           device=torch.device("cpu"))
+    from_embeds = capture_inputs(pipe, specs, **shape, prompt_embeds=embeds)
+    for component in target.components:
+        a, b = from_prompt[component], from_embeds[component]
+        torch.testing.assert_close((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output), rtol=0, atol=0)

@@ -262,8 +262,8 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
 
     spec = pipeline_spec(tiny_target.pipeline)
     points = _capture_points(tiny_target)
-    reference = _capture_all(eager_pipeline(tiny_target), [spec.component(n) for n in tiny_target.components],
-                             tiny_target, list(points.values()), lambda stage, message: None)
+    reference = _capture_all(eager_pipeline(tiny_target), spec, [spec.component(n) for n in tiny_target.components],
+                             tiny_target, list(points.values()), torch.device("cpu"), lambda stage, message: None)
     for calls in reference.values():
         for call in calls.values():
             call.output.mul_(1.5)  # as if the compiled models had drifted by a third
