@@ -83,6 +83,10 @@ class PipelineSpec:
     pixel_stride: Callable[[dict[str, dict]], int]
     default_stride: int
     max_denoiser_batch: int | None = None
+    # The largest height/width the denoiser's position embedding covers, from the configs (None:
+    # no such limit), and the value for a Hub source, whose configs are not read at parse time.
+    max_pixels: Callable[[dict[str, dict]], int] | None = None
+    default_max_pixels: int | None = None
     # What `encode_prompt` returns, named as the pipeline's call takes it back (None: not taken).
     prompt_embeds: tuple[str | None, ...] = ("prompt_embeds", "negative_prompt_embeds",
                                              "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -138,6 +142,11 @@ def _patch_pixel_stride(configs: dict[str, dict]) -> int:
     return _vae_factor(configs) * configs["transformer"].get("patch_size", 1)
 
 
+def _pos_embed_max_pixels(configs: dict[str, dict]) -> int:
+    # SD3 crops a fixed grid of pos_embed_max_size patches per side; larger latents do not fit it.
+    return configs["transformer"]["pos_embed_max_size"] * _patch_pixel_stride(configs)
+
+
 def _packed_pixel_stride(configs: dict[str, dict]) -> int:
     # Flux packs 2x2 latent patches into one token.
     return _vae_factor(configs) * 2
@@ -164,6 +173,8 @@ PIPELINES: dict[str, PipelineSpec] = {
         components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER},
         pixel_stride=_patch_pixel_stride,
         default_stride=16,  # SD3 medium: VAE factor 8 x patch 2
+        max_pixels=_pos_embed_max_pixels,
+        default_max_pixels=3072,  # SD3 medium: pos_embed_max_size 192 x 16
     ),
     "FluxPipeline": PipelineSpec(
         class_name="FluxPipeline",

@@ -158,7 +158,7 @@ def _choice(origin: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
 def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     """Validate raw TOML data into a Target; every error names `origin` and the offending key."""
     from .optimize import validate_optimize  # the pass registry validates its own keys
-    from .sources import pixel_stride
+    from .sources import max_pixels, pixel_stride
 
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
@@ -219,6 +219,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
 
     try:
         stride = pixel_stride(spec, source, base_dir)
+        largest = max_pixels(spec, source, base_dir)
     except SourceError as exc:
         raise TargetError(f"{origin}: key 'source': {exc}") from None
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
@@ -240,12 +241,16 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                     f"{origin}: key '{where}.{dim}' = {table[dim]} is not a multiple of {stride}, "
                     f"the pixel stride of this model (VAE factor x UNet downsampling)"
                 )
+            _check_largest(origin, f"{where}.{dim}", table[dim], largest, spec)
         bucket = ShapeBucket(**table)
         if bucket in shapes:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
     dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance) if "dynamic" in raw else None
+    for axis in ("height", "width"):
+        if dynamic:
+            _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
 
     optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
     validate_optimize(optimize, origin=origin, device=device, gpu=gpu)
@@ -266,6 +271,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, dynamic=dynamic,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, base_dir=base_dir,
     )
+
+
+def _check_largest(origin: str, key: str, pixels: int, largest: int | None, spec: Any) -> None:
+    if largest is not None and pixels > largest:
+        raise TargetError(f"{origin}: key {key!r} = {pixels} is above {largest}, the largest size "
+                          f"{spec.class_name}'s position embedding covers (pos_embed_max_size x patch x VAE factor)")
 
 
 def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: float) -> dict[str, list[int]]:

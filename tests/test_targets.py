@@ -135,3 +135,29 @@ def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):
     with pytest.raises(AotbuildError, match="is set by aotbuild") as info:
         inductor_options({MULTI_ARCH_OPTION: True})
     assert "multi_arch = true" in info.value.hint
+
+
+SD3 = """
+name = "t"
+pipeline = "StableDiffusion3Pipeline"
+source = "random:tiny-sd3"
+device = "cpu"
+[[shapes]]
+batch = 1
+height = HEIGHT
+width = 64
+[components]
+transformer = {}
+"""
+
+
+def test_sd3_sizes_beyond_its_position_embedding_are_refused(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-sd3").symlink_to(TARGETS / "configs" / "tiny-sd3")
+    assert load_target(write_target(tmp_path, SD3.replace("HEIGHT", "256"))).shapes[0].height == 256
+    with pytest.raises(TargetError, match=r"'shapes\[0\].height' = 272 is above 256, the largest size "
+                                          r"StableDiffusion3Pipeline's position embedding covers"):
+        load_target(write_target(tmp_path, SD3.replace("HEIGHT", "272")))
+    dynamic = SD3.replace("HEIGHT", "64") + "[dynamic]\nbatch = [1, 1]\nheight = [64, 512]\nwidth = [64, 64]\n"
+    with pytest.raises(TargetError, match=r"'dynamic.height' = 512 is above 256"):
+        load_target(write_target(tmp_path, dynamic))
