@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TARGET ?= cpu-tiny-sdxl
 
-.PHONY: install test test-fast lint demo clean
+.PHONY: install test test-fast lint demo clean device-wheels
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ lint: install
 demo: install
 	$(VENV)/bin/aotbuild build --target $(TARGET)
 	$(VENV)/bin/aotbuild run --target $(TARGET) --prompt "a red fox in the snow" --steps 4 --seed 0 --output demo.png
+
+# What the GPU device machine lacks (it has torch, transformers, huggingface_hub, pytest; see the
+# device tool's KINDS.md), as wheels for scripts/gpu_check.sh: carry .whl there.
+device-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl -c constraints.txt diffusers importlib_metadata
 
 clean:
 	rm -rf artifacts/*/ .artifacts-staging demo*.png

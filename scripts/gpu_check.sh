@@ -3,7 +3,8 @@
 # run the CUDA-only tests when pytest is there, build h200-sdxl-random (UNet at 1024x1024, VAE decoder;
 # bf16 + fused QKV, max-autotune off, CUDA graphs checked), then bench eager / compile / aot (graphs)
 # / aot without graphs and copy the manifest and bench JSON to $OUT.
-# Where the device lacks diffusers/transformers/..., carry wheels in .whl/ (see the device README).
+# Where the device lacks diffusers/transformers/..., carry wheels in .whl/: `make device-wheels`
+# writes them, and the device tool's run takes carry=[".whl"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
