@@ -227,9 +227,11 @@ class Resolved:
 
 
 def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = None,
-                   variant: str | None = None, pipeline: str | None = None) -> dict[str, Any]:
-    """The index entry to use here: the one named, else the first that fits this machine (an exact
-    CPU ISA match before a weaker one).
+                   variant: str | None = None, pipeline: str | None = None,
+                   here: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The index entry to use here: the one named, else the first that fits this machine (`here`,
+    by default this one's `environment`): an exact CPU ISA or GPU match before a weaker CPU ISA or
+    PTX compiled for a later GPU.
 
     Raises:
         NoMatchingVariantError: listing what the repo has and what this machine is.
@@ -244,12 +246,12 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
             raise NoMatchingVariantError(f"no variant {variant!r}; the repo has: "
                                          f"{', '.join(v['path'] for v in entries) or 'nothing'}")
         return chosen[0]
-    here = environment(device)
+    here = here or environment(device)
     fitting = []
     for entry in entries:
         try:
             check_compatible({"environment": entry["environment"], "target": {"dtype": entry["dtype"]}},
-                             device=device, dtype=dtype)
+                             device=device, dtype=dtype, here=here)
         except IncompatibleArtifactError:
             continue
         fitting.append(entry)

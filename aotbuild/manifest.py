@@ -148,19 +148,21 @@ def _isa_rank(isa: str) -> int:
     return CPU_ISA_ORDER.index(isa) if isa in CPU_ISA_ORDER else -1
 
 
-def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dtype: str | None = None) -> None:
+def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dtype: str | None = None,
+                     here: dict[str, Any] | None = None) -> None:
     """Refuse an artifact that cannot run here, naming the field and both values.
 
     Args:
         manifest: a parsed manifest.
         device: the device type the caller wants ("cpu", "cuda"); defaults to the artifact's.
         dtype: the dtype the caller wants; defaults to the artifact's.
+        here: the machine to check against, as `environment` describes it; defaults to this one.
 
     Raises:
         IncompatibleArtifactError: torch version, device type, GPU capability, CPU ISA or dtype differ.
     """
     built = manifest["environment"]
-    here = environment(built["device_type"])
+    here = here or environment(built["device_type"])
     if here["torch"] != built["torch"]:
         raise IncompatibleArtifactError("torch", here["torch"], built["torch"],
                                         hint="compiled code is tied to the torch build; rebuild with this torch")
@@ -169,7 +171,7 @@ def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dty
     if built["platform"] != here["platform"]:
         raise IncompatibleArtifactError("platform", here["platform"], built["platform"])
     if built["device_type"] == "cuda":
-        if not torch.cuda.is_available():
+        if "gpu_capability" not in here:
             raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda")
         if not gpu_fits(built.get("gpu_capability", "?"), here.get("gpu_capability", "?"),
                         built.get("gpu_multi_arch", False)):

@@ -10,8 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from aotbuild.cli import main
-from aotbuild.errors import AotbuildError
-from aotbuild.manifest import cuda_driver_version, environment, gpu_fits
+from aotbuild.errors import AotbuildError, IncompatibleArtifactError, NoMatchingVariantError
+from aotbuild.hub import choose_variant
+from aotbuild.manifest import check_compatible, cuda_driver_version, environment, gpu_fits
 from aotbuild.runtime import load_components
 
 from .conftest import build_once, generate
@@ -34,6 +35,29 @@ def CUDA(test):  # noqa: N802  (a marker: CUDA-only, and it builds)
 ])
 def test_which_gpus_an_artifact_fits(built_on, runs_on, multi_arch, fits):
     assert gpu_fits(built_on, runs_on, multi_arch) is fits
+
+
+def _cuda_environment(capability: str, **extra) -> dict:
+    return {**environment("cpu"), "device_type": "cuda", "cuda": "12.8", "gpu_name": "GPU",
+            "gpu_capability": capability, **extra}
+
+
+def _variant(path: str, capability: str, multi_arch: bool = False) -> dict:
+    return {"path": path, "pipeline": "StableDiffusionXLPipeline", "dtype": "bfloat16",
+            "environment": _cuda_environment(capability, gpu_multi_arch=multi_arch)}
+
+
+def test_an_h100_takes_its_own_variant_then_portable_ptx_never_plain_sm80():
+    h100 = _cuda_environment("9.0")
+    sm90, sm80_ptx, sm80 = _variant("t/sm90", "9.0"), _variant("t/sm80-ptx", "8.0", True), _variant("t/sm80", "8.0")
+    assert choose_variant({"variants": [sm80_ptx, sm90]}, device="cuda", here=h100)["path"] == "t/sm90"
+    assert choose_variant({"variants": [sm80, sm80_ptx]}, device="cuda", here=h100)["path"] == "t/sm80-ptx"
+    with pytest.raises(NoMatchingVariantError, match=r"no variant fits this machine.*the repo has: t/sm80 "):
+        choose_variant({"variants": [sm80]}, device="cuda", here=h100)
+    manifest = {"environment": sm80["environment"], "target": {"dtype": "bfloat16"}}
+    with pytest.raises(IncompatibleArtifactError, match="gpu_capability is '8.0' in the artifact, '9.0' here") as info:
+        check_compatible(manifest, here=h100)
+    assert "multi_arch = true" in info.value.hint
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA driver")

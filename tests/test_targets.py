@@ -120,6 +120,8 @@ def test_cli_targets_lists_one_line_each():
     assert "shapes=1x64x64,2x64x96,1-3x32-96x32-96" in lines["cpu-tiny-sdxl"]
     assert "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
     assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
+    assert lines["h200-sdxl-random"].endswith(" cuda_graphs") and lines["a100-sdxl"].endswith(" multi_arch")
+    assert not lines["cpu-tiny-sdxl"].endswith(("cuda_graphs", "multi_arch"))
 
 
 def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):
