@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import shutil
 import sys
@@ -158,9 +159,9 @@ def _check_device(target: Target) -> None:
         if target.gpu and found != target.gpu.capability:
             raise BuildError(f"target {target.name} is for compute capability {target.gpu.capability} "
                              f"({target.gpu.name}); this GPU is {found}")
-        if target.gpu and target.gpu.multi_arch and not export.multi_arch_tool():
-            raise BuildError(f"target {target.name} asks for multi-arch kernels, and neither fatbinary nor nvcc "
-                             f"(the CUDA toolkit) is on PATH", hint="install the CUDA toolkit or set CUDA_HOME")
+        if target.gpu and target.gpu.multi_arch and not export.nvcc():
+            raise BuildError(f"target {target.name} asks for multi-arch kernels, and nvcc (the CUDA toolkit) is "
+                             f"not on PATH", hint="install the CUDA toolkit, or set CUDA_HOME or CUDACXX")
 
 
 def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -> dict[str, Any]:
@@ -175,9 +176,12 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         pipe = _load_pipeline(target, spec, torch.device("cpu"))  # _capture_all places the models
     with stages("capture", "eager float32 reference"):
         reference = _capture_all(pipe, spec, specs, target, list(points.values()), device, stages.progress)
+    examples = {name: reference[points[name]] for name in _export_points(points)}
+    # The references wait on the host (validate moves each input back): only the export points'
+    # calls stay on the device, as example inputs.
+    reference = {point: {c: call.to("cpu") for c, call in calls.items()} for point, calls in reference.items()}
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
-    examples = {name: reference[points[name]] for name in _export_points(points)}
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
             optimized = _capture_all(pipe, spec, specs, target, [points[n] for n in examples], device,
@@ -186,22 +190,23 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
                         target.optimize, (call.args, call.kwargs)), call.output) for c, call in
                         optimized[points[name]].items()}
                     for name in examples}
+        del optimized
     runtime = {"cuda_graphs": target.cuda_graphs, "scheduler": type(pipe.scheduler).__name__,
                # Not weights, but part of the recipe: where the scheduler keeps its sigmas (on CPU,
                # each step's sigma lookup costs no device sync; diffusers' Euler schedulers do this).
                "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a"))}
-    # Compile needs only the modules being compiled and the example inputs: the other models and
-    # the references leave the device first (for full-size Flux, T5-XXL alone is 9 GiB in bf16).
+    # Compile needs only the modules being compiled and the example inputs on the device.
     _release_others(pipe, specs)
-    reference = {point: {c: call.to("cpu") for c, call in calls.items()} for point, calls in reference.items()}
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del pipe
+    _free_device_memory(device)
 
     components = {}
     for s in specs:
         dims = _dynamic_dims(s.name, reference, points, target) if target.dynamic else None
         components[s.name] = _build_component(s, modules[s.name], target, examples, points, dims,
                                               records["dtype"][s.name], inductor_options, out, stages)
+    del modules, examples  # validate binds the packaged weights: the eager copies go first
+    _free_device_memory(device)
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
 
@@ -241,8 +246,16 @@ def _environment(target: Target) -> dict[str, Any]:
     return env
 
 
+def _free_device_memory(device: torch.device) -> None:
+    """Hand freed tensors back to the device (exported graphs hold their weights in reference cycles)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
-    """Move the pipeline's models that are not compiled (text encoders) off the device."""
+    """Move the pipeline's models that are not compiled (a VAE built without its decoder, a
+    safety checker; the text encoders are already off) to the host."""
     compiled = {s.attribute for s in specs}
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module) and name not in compiled:
@@ -426,17 +439,15 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
     from .runtime import _load_weights
 
     failures = []
-    cuda_graphs = manifest["runtime"]["cuda_graphs"]
+    graph_pool = torch.cuda.graph_pool_handle() if manifest["runtime"]["cuda_graphs"] else None
     for name, entry in manifest["components"].items():
         weights = _load_weights(out / entry["weights"], device)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         package_sha = sha256_file(out / entry["package"])
+        plain = {}
         for variant_entry in entry["variants"]:
-            variant = CompiledVariant(out / entry["package"], variant_entry, device, weights, package_sha)
-            # The runtime's graph mode is checked too: captured, replayed, replayed again.
-            graphed = CompiledVariant(out / entry["package"], variant_entry, device, weights, package_sha,
-                                      torch.cuda.graph_pool_handle()) if cuda_graphs and "bucket" in variant_entry \
-                else None
+            variant = plain[variant_entry["name"]] = CompiledVariant(out / entry["package"], variant_entry, device,
+                                                                     weights, package_sha)
             checked = ["dynamic:min", "dynamic:base", "dynamic:max"] if "dynamic" in variant_entry else [variant.name]
             errors = {}
             for point in checked:
@@ -445,16 +456,11 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                 if leaves is None or not variant.accepts(leaves):
                     raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
                                      f"{points[point]}")
-                runs = {str(points[point]): variant}
-                if graphed is not None:
-                    runs |= {f"{points[point]} CUDA graph": graphed, f"{points[point]} CUDA graph replay": graphed}
+                with torch.no_grad():
+                    result = _first_output(variant.run(leaves, device))
                 expected = call.output.float().to(device)
-                for label, model in runs.items():
-                    with torch.no_grad():
-                        result = model.run(leaves, device)
-                    result = result[0] if isinstance(result, (tuple, list)) else result
-                    error = (result.float() - expected).abs().max().item()
-                    errors[label] = (error, error / max(expected.abs().max().item(), 1e-6))
+                error = (result.float() - expected).abs().max().item()
+                errors[str(points[point])] = (error, error / max(expected.abs().max().item(), 1e-6))
             worst_abs, worst_rel = max(errors.values(), key=lambda e: e[1] if e[1] == e[1] else float("inf"))
             variant_entry["numerics"] = {
                 "max_abs_error": worst_abs, "max_rel_error": worst_rel, "tolerance": tolerance,
@@ -462,11 +468,42 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
             }
             if not worst_rel <= tolerance:  # also catches NaN
                 failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
-            del variant, graphed
-        del weights
+        if graph_pool is not None:
+            for variant_name, diff in _check_cuda_graphs(out / entry["package"], name, plain, weights, package_sha,
+                                                         reference, points, device, graph_pool).items():
+                plain[variant_name].entry["numerics"]["cuda_graph_rel_diff"] = diff
+                if not diff <= tolerance:
+                    failures.append(f"{name} {variant_name}: CUDA graph replay differs from the plain run by "
+                                    f"{diff:.3g} (relative) > {tolerance:g}")
+        del plain, weights
     if failures and not allow_drift:
         raise NumericsError("compiled output differs from eager: " + "; ".join(failures),
                             hint="inspect the recipe, or accept with --allow-numerics-drift")
+
+
+def _check_cuda_graphs(package: Path, component: str, plain: dict[str, CompiledVariant], weights: dict,
+                       package_sha: str, reference: dict, points: dict[str, ShapeBucket], device: torch.device,
+                       pool: Any) -> dict[str, float]:
+    """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
+    component captured into one shared pool, then each replayed on new inputs (the captured ones
+    scaled by 1.01). Returns the largest relative difference per variant."""
+    graphed = {name: CompiledVariant(package, v.entry, device, weights, package_sha, pool)
+               for name, v in plain.items() if "bucket" in v.entry}
+    diffs = dict.fromkeys(graphed, 0.0)
+    for scale in (1.0, 1.01):
+        for name, model in graphed.items():
+            call = reference[points[name]][component]
+            leaves = [(path, leaf * scale if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf)
+                      for path, leaf in plain[name].flatten(call.args, call.kwargs)]
+            with torch.no_grad():
+                got, want = (_first_output(m.run(leaves, device)).float() for m in (model, plain[name]))
+            diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+            diffs[name] = max(diffs[name], diff, key=lambda d: d if d == d else float("inf"))  # NaN wins
+    return diffs
+
+
+def _first_output(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def _get_dotted(obj: Any, dotted: str) -> Any:

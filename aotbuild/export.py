@@ -50,14 +50,14 @@ def supports_multi_arch() -> bool:
     return MULTI_ARCH_OPTION in inductor_config.get_config_copy()
 
 
-def multi_arch_tool() -> str | None:
-    """The CUDA toolkit program AOTInductor bundles multi-arch kernels with (fatbinary, else nvcc):
-    torch and Triton wheels ship neither."""
+def nvcc() -> str | None:
+    """The CUDA compiler inductor would use (it bundles multi-arch kernels with nvcc where it cannot
+    use fatbinary): torch and Triton wheels do not ship it."""
     import shutil
 
     from torch._inductor.codegen.cuda.compile_utils import _cuda_compiler
 
-    return shutil.which("fatbinary") or shutil.which(_cuda_compiler() or "nvcc")
+    return shutil.which(_cuda_compiler() or "nvcc")
 
 
 def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None, *,

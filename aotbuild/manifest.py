@@ -49,17 +49,25 @@ def cuda_driver_version() -> str | None:
     return f"{version.value // 1000}.{version.value % 1000 // 10}"
 
 
-def gpu_fits(built: str, here: str, multi_arch: bool = False) -> bool:
-    """Whether kernels built on a GPU of compute capability `built` run on one of `here`.
+def gpu_fits(built: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Whether kernels built on the GPU of environment `built` run on the GPU of `here`.
 
-    SASS runs only on its own capability. Multi-arch kernels also carry PTX, which the driver JITs
-    for any later GPU, unless the PTX is arch-specific: from 9.0 on, Triton and AOTInductor emit
-    sm_90a-style PTX, so those artifacts still need their own capability.
+    SASS runs only on its own compute capability. Multi-arch kernels also carry PTX, which the
+    driver JITs for any later GPU, unless the PTX is arch-specific: from 9.0 on, Triton and
+    AOTInductor emit sm_90a-style PTX, so those artifacts still need their own capability. Kernels
+    tuned on the build GPU may use all of its shared memory per block: the later GPU needs as much
+    (an A100's 163 KiB is more than an L4's or RTX's 99 KiB).
     """
-    if here == built:
+    built_cc, here_cc = built.get("gpu_capability"), here.get("gpu_capability")
+    if built_cc is None or here_cc is None:
+        return False
+    if here_cc == built_cc:
         return True
-    built_cc, here_cc = (tuple(int(part) for part in c.split(".")) for c in (built, here))
-    return multi_arch and built_cc < (9, 0) and here_cc > built_cc
+    built_version, here_version = (tuple(int(part) for part in c.split(".")) for c in (built_cc, here_cc))
+    shared = built.get("gpu_shared_memory_per_block"), here.get("gpu_shared_memory_per_block")
+    enough_shared = None in shared or shared[1] >= shared[0]
+    return bool(built.get("gpu_multi_arch")) and built_version < (9, 0) and here_version > built_version \
+        and enough_shared
 
 
 def aotbuild_version() -> str:
@@ -86,6 +94,7 @@ def environment(device: str) -> dict[str, Any]:
         env["gpu_name"] = props.name
         env["gpu_capability"] = f"{props.major}.{props.minor}"
         env["gpu_memory_mib"] = props.total_memory // 2**20
+        env["gpu_shared_memory_per_block"] = getattr(props, "shared_memory_per_block_optin", None)
         env["cuda_driver"] = cuda_driver_version()
         try:
             import triton
@@ -140,7 +149,8 @@ def verify_files(folder: Path, manifest: dict[str, Any]) -> None:
 
 def _capability_hint(built: dict[str, Any]) -> str:
     if built.get("gpu_multi_arch"):
-        return "its multi-arch kernels run on later GPUs only when built before compute capability 9.0"
+        return ("its multi-arch kernels run only on later GPUs with as much shared memory per block, "
+                "and only when built before compute capability 9.0")
     return "rebuild on this GPU, or build with gpu = { ..., multi_arch = true } on an older one"
 
 
@@ -173,8 +183,7 @@ def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dty
     if built["device_type"] == "cuda":
         if "gpu_capability" not in here:
             raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda")
-        if not gpu_fits(built.get("gpu_capability", "?"), here.get("gpu_capability", "?"),
-                        built.get("gpu_multi_arch", False)):
+        if not gpu_fits(built, here):
             raise IncompatibleArtifactError("gpu_capability", here.get("gpu_capability"), built.get("gpu_capability"),
                                             hint=_capability_hint(built))
     else:

@@ -117,26 +117,30 @@ class CudaGraph:
     AOTInductor launches every kernel from the host on each call; a replay launches the recorded
     sequence at once. Inputs are copied into static buffers (the copy also converts dtype, device
     and layout to what the model was compiled for); outputs are cloned out of the graph's memory,
-    which the next replay overwrites. Variants of one component share `pool`: they never run at
-    the same time, and the outputs they keep alive are never handed out again.
+    which the next replay overwrites. The graphs of one load share `pool`: they run one after
+    another, and the outputs they keep alive are never handed out again.
+
+    `run` must be a single-threaded runner: the threaded one records and queries a CUDA event
+    around each run, and querying is not allowed while a stream is being captured.
     """
 
-    def __init__(self, run: Any, inputs: list[dict[str, Any]], device: torch.device, pool: Any) -> None:
-        self._run, self._device, self._pool = run, device, pool
+    def __init__(self, name: str, run: Any, inputs: list[dict[str, Any]], device: torch.device, pool: Any) -> None:
+        self._name, self._run, self._device, self._pool = name, run, device, pool
         self._static = [torch.empty_strided(e["shape"], e["stride"], dtype=getattr(torch, e["dtype"]), device=device)
                         for e in inputs if "shape" in e]
         self._graph: torch.cuda.CUDAGraph | None = None
         self._outputs: list[torch.Tensor] = []
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        for static, tensor in zip(self._static, tensors, strict=True):
-            static.copy_(tensor)
-        if self._graph is None:
-            self._capture()
-        self._graph.replay()
-        return [output.clone() for output in self._outputs]
+        with torch.cuda.device(self._device):  # replay launches on the current device's stream
+            for static, tensor in zip(self._static, tensors, strict=True):
+                static.copy_(tensor)
+            if self._graph is None:
+                self._graph = self._capture()
+            self._graph.replay()
+            return [output.clone() for output in self._outputs]
 
-    def _capture(self) -> None:
+    def _capture(self) -> torch.cuda.CUDAGraph:
         # One ordinary run first, on a side stream: it loads the kernels (module loading cannot be
         # captured) and settles the allocator. The model takes the current stream, so under
         # `torch.cuda.graph` its launches are recorded. The runner empties the list it is given.
@@ -146,12 +150,13 @@ class CudaGraph:
             self._run(list(self._static))
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # Relaxed: before launching, AOTInductor's model container queries the CUDA event of its
-        # previous run (cudaEventQuery), a call the default capture mode forbids. After capture
-        # this runner is only ever replayed, never run directly again.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="relaxed"):
-            self._outputs = self._run(list(self._static))
-        self._graph = graph
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self._device)):
+                self._outputs = self._run(list(self._static))
+        except RuntimeError as exc:
+            raise AotbuildError(f"CUDA graph capture of compiled model {self._name} failed: {exc}",
+                                hint="load with cuda_graphs=False (aotbuild run --no-cuda-graphs)") from exc
+        return graph
 
 
 class CompiledVariant:
@@ -167,6 +172,7 @@ class CompiledVariant:
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
+        graphed = device.type == "cuda" and cuda_graph_pool is not None and "bucket" in entry
         # Bind before any call: a weight-less model run without constants crashes the process.
         if device.type == "cpu":
             folder = extracted_package(package, sha256 or sha256_file(package))  # callers pass checked hashes
@@ -180,7 +186,7 @@ class CompiledVariant:
             self._run = runner.run
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            runner = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, False, 1, index)
+            runner = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, graphed, 1, index)
             runner.load_constants({k: _weight(weights, k, package) for k in runner.get_constant_fqns()},
                                   False, True, True)
             self._run = runner.boxed_run
@@ -188,8 +194,8 @@ class CompiledVariant:
         self.in_spec = pytree.treespec_loads(in_spec)
         self.out_spec = pytree.treespec_loads(out_spec)
         self.cuda_graph = None
-        if cuda_graph_pool is not None and "bucket" in entry:
-            self.cuda_graph = CudaGraph(self._run, self.inputs, device, cuda_graph_pool)
+        if graphed:
+            self.cuda_graph = CudaGraph(self.name, self._run, self.inputs, device, cuda_graph_pool)
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""
@@ -384,11 +390,11 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         raise AotbuildError(f"CUDA graphs need a CUDA device; this artifact runs on {device.type}",
                             hint="load it with cuda_graphs=False")
     modules = {}
+    pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         weights = _load_weights(folder / entry["weights"], device)
         sha256 = manifest["files"][entry["package"]]["sha256"] if verify else None  # None: hash the file
-        pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         variants = [CompiledVariant(folder / entry["package"], v, device, weights, sha256, pool)
                     for v in entry["variants"]]
         modules[entry["attribute"]] = CompiledComponent(
