@@ -115,30 +115,23 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
                f"({steps} steps, {len(gen.images)} image(s))")
 
 
-def _local_artifact(artifact: str) -> tuple[Path, str]:
-    """(folder, origin line) for a folder or an hf:// spec (resolved into the HF cache)."""
-    if artifact.startswith("hf://"):
-        from .hub import resolve
-
-        found = resolve(artifact)
-        return found.folder, (f"hub        {found.repo_id}@{found.commit} (asked: {found.revision or 'main'}), "
-                              f"variant {found.variant}")
-    return Path(artifact), ""
-
-
 @main.command()
 @click.argument("artifact")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def inspect(artifact: str, as_json: bool) -> None:
     """Show an artifact's manifest (a folder or hf://org/name[@revision])."""
     from .manifest import read_manifest
+    from .runtime import artifact_folder
 
-    folder, origin = _local_artifact(artifact)
+    folder, found = artifact_folder(artifact)
     manifest = read_manifest(folder)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
+    elif found is None:
+        click.echo(_summary(folder, manifest))
     else:
-        click.echo(_summary(folder, manifest) + (f"\n{origin}" if origin else ""))
+        click.echo(_summary(folder, manifest) + f"\nhub        {found.repo_id}@{found.commit} "
+                   f"(asked: {found.revision or 'main'}), variant {found.variant}")
 
 
 @main.command()
@@ -146,8 +139,9 @@ def inspect(artifact: str, as_json: bool) -> None:
 def verify(artifact: str) -> None:
     """Check hashes and fit to this machine; exits non-zero on any problem."""
     from .manifest import check_compatible, read_manifest, verify_files
+    from .runtime import artifact_folder
 
-    folder, _ = _local_artifact(artifact)
+    folder, _ = artifact_folder(artifact)
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
     check_compatible(manifest)
@@ -224,6 +218,18 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str, p
     if plot_path:
         plot(document, plot_path)
         click.echo(f"wrote {plot_path}")
+
+
+@main.command()
+@click.option("--clear", is_flag=True, help="delete them all (each is extracted again at its next load)")
+def cache(clear: bool) -> None:
+    """Show the cache of extracted packages the CPU runtime loads from ($AOTBUILD_CACHE/packages)."""
+    from .runtime import clear_package_cache, package_cache_usage
+
+    root, count, size = package_cache_usage()
+    click.echo(f"{root}: {count} extracted package(s), {_mib(size)}")
+    if clear:
+        click.echo(f"cleared {_mib(clear_package_cache())}")
 
 
 def _dim_text(dim: Any) -> str:

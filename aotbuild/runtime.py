@@ -104,6 +104,29 @@ def extracted_package(package: Path, sha256: str) -> Path:
     return folder
 
 
+def package_cache_usage() -> tuple[Path, int, int]:
+    """(cache folder, extracted packages in it, their bytes)."""
+    root = package_cache_dir()
+    entries = [p for p in root.iterdir() if (p / ".complete").is_file()] if root.is_dir() else []
+    size = sum(f.stat().st_size for entry in entries for f in entry.rglob("*") if f.is_file())
+    return root, len(entries), size
+
+
+def clear_package_cache() -> int:
+    """Delete every extracted package (each is extracted again at its next load); returns the
+    bytes freed. Processes that already loaded one keep their mapped libraries."""
+    root, _, size = package_cache_usage()
+    if root.is_dir():
+        for entry in root.iterdir():
+            # Unmark first, then move aside: a loader never takes a half-deleted folder as complete.
+            (entry / ".complete").unlink(missing_ok=True)
+            doomed = root / f".deleting-{entry.name}-{os.getpid()}"
+            with contextlib.suppress(OSError):
+                os.rename(entry, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+    return size
+
+
 def _weight(weights: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.Tensor:
     try:
         return weights[fqn]
@@ -404,14 +427,16 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
 
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
-                    pipeline: str | None = None) -> tuple[Path, bool]:
-    """(local folder, hashes already checked). `hf://org/name[@revision]` is resolved to the variant
-    fitting this machine (and `pipeline`) in the HF cache, downloading only that variant."""
+                    pipeline: str | None = None) -> tuple[Path, Any]:
+    """(local folder, `hub.Resolved` or None for a local folder). `hf://org/name[@revision]` is
+    resolved to the variant fitting this machine (and `pipeline`) in the HF cache, downloading only
+    that variant, whose hashes are then already checked."""
     if isinstance(artifact, str) and artifact.startswith("hf://"):
         from .hub import resolve
 
-        return resolve(artifact, device=device, dtype=dtype, pipeline=pipeline).folder, True
-    return Path(artifact), False
+        resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline)
+        return resolved.folder, resolved
+    return Path(artifact), None
 
 
 def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False,
@@ -426,7 +451,7 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = Fals
         The same pipeline, modified in place.
     """
     device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
-    artifact, verified = artifact_folder(artifact, device=device.type if device is not None else None,
+    artifact, resolved = artifact_folder(artifact, device=device.type if device is not None else None,
                                          pipeline=type(pipe).__name__)
     manifest = read_manifest(artifact)
     if type(pipe).__name__ != manifest["target"]["pipeline"]:
@@ -434,7 +459,8 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = Fals
     eager = None
     if eager_fallback:
         eager = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
-    _, modules = load_components(artifact, device=device, eager=eager, verify=not verified, cuda_graphs=cuda_graphs)
+    _, modules = load_components(artifact, device=device, eager=eager, verify=resolved is None,
+                                 cuda_graphs=cuda_graphs)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     return pipe
@@ -455,8 +481,8 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     from .sources import SOURCE_DIRNAME, assemble_pipeline, is_random, resolve_folder
     from .sources import load_components as load_source_components
 
-    folder, verified = artifact_folder(artifact, device=device, dtype=dtype)
-    manifest, modules = load_components(folder, device=device, dtype=dtype, verify=not verified,
+    folder, resolved = artifact_folder(artifact, device=device, dtype=dtype)
+    manifest, modules = load_components(folder, device=device, dtype=dtype, verify=resolved is None,
                                         cuda_graphs=cuda_graphs)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])

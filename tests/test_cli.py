@@ -74,3 +74,16 @@ def test_run_at_an_uncovered_shape_is_one_line(built):
     assert result.exit_code == 1
     assert "covers (batch x height x width): 1x64x64; 2x64x96; 1-3x32-96x32-96 (dynamic" in result.output
     assert "Traceback" not in result.output
+
+
+def test_cache_shows_and_clears_extracted_packages(built, tmp_path, monkeypatch):
+    from aotbuild.runtime import load_components
+
+    monkeypatch.setenv("AOTBUILD_CACHE", str(tmp_path / "cache"))
+    load_components(built.folder)  # extracts both packages
+    shown = invoke("cache")
+    assert shown.exit_code == 0 and f"{tmp_path / 'cache' / 'packages'}: 2 extracted package(s)" in shown.output
+    cleared = invoke("cache", "--clear")
+    assert "cleared" in cleared.output and list((tmp_path / "cache" / "packages").iterdir()) == []
+    load_components(built.folder)  # extracted again at the next load
+    assert ": 2 extracted package(s)" in invoke("cache").output
