@@ -228,7 +228,7 @@ def cache(clear: bool) -> None:
 
     root, count, size = package_cache_usage()
     click.echo(f"{root}: {count} extracted package(s), {_mib(size)}")
-    if clear:
+    if clear and count:
         click.echo(f"cleared {_mib(clear_package_cache())}")
 
 

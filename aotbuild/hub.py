@@ -246,7 +246,7 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
             raise NoMatchingVariantError(f"no variant {variant!r}; the repo has: "
                                          f"{', '.join(v['path'] for v in entries) or 'nothing'}")
         return chosen[0]
-    here = here or environment(device)
+    here = environment(device) if here is None else here
     fitting = []
     for entry in entries:
         try:

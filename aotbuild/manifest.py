@@ -172,7 +172,7 @@ def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dty
         IncompatibleArtifactError: torch version, device type, GPU capability, CPU ISA or dtype differ.
     """
     built = manifest["environment"]
-    here = here or environment(built["device_type"])
+    here = environment(built["device_type"]) if here is None else here
     if here["torch"] != built["torch"]:
         raise IncompatibleArtifactError("torch", here["torch"], built["torch"],
                                         hint="compiled code is tied to the torch build; rebuild with this torch")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -26,6 +27,7 @@ from .manifest import DTYPES, check_compatible, read_manifest, sha256_file, veri
 from .pipelines import pipeline_spec
 from .shapes import infer_size
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Operator namespaces torch registers itself: compiled code calling them needs no extra import.
 TORCH_NAMESPACES = {"aten", "prims", "quantized", "quantized_decomposed", "_c10d_functional", "fbgemm", "mkldnn",
                     "onednn", "_quantized", "higher_order"}
@@ -80,6 +82,10 @@ def extracted_package(package: Path, sha256: str) -> Path:
     folder = root / sha256
     if (folder / ".complete").is_file():
         return folder
+    if folder.is_dir():  # unmarked: never renamed into place by an extraction, so not trusted
+        with contextlib.suppress(OSError):
+            os.rename(folder, root / f".stale-{sha256[:16]}-{os.getpid()}")
+            shutil.rmtree(root / f".stale-{sha256[:16]}-{os.getpid()}", ignore_errors=True)
     try:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:16]}-", dir=root))
@@ -104,27 +110,40 @@ def extracted_package(package: Path, sha256: str) -> Path:
     return folder
 
 
+def _cache_entries(root: Path) -> list[Path]:
+    """The extracted packages (named by their sha256; extractions in progress are dot-named)."""
+    return [p for p in root.iterdir() if _SHA256.fullmatch(p.name)] if root.is_dir() else []
+
+
+def _bytes_under(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):  # removed by a concurrent clear
+            total += path.stat().st_size if path.is_file() else 0
+    return total
+
+
 def package_cache_usage() -> tuple[Path, int, int]:
     """(cache folder, extracted packages in it, their bytes)."""
     root = package_cache_dir()
-    entries = [p for p in root.iterdir() if (p / ".complete").is_file()] if root.is_dir() else []
-    size = sum(f.stat().st_size for entry in entries for f in entry.rglob("*") if f.is_file())
-    return root, len(entries), size
+    entries = _cache_entries(root)
+    return root, len(entries), sum(_bytes_under(entry) for entry in entries)
 
 
 def clear_package_cache() -> int:
     """Delete every extracted package (each is extracted again at its next load); returns the
-    bytes freed. Processes that already loaded one keep their mapped libraries."""
-    root, _, size = package_cache_usage()
-    if root.is_dir():
-        for entry in root.iterdir():
-            # Unmark first, then move aside: a loader never takes a half-deleted folder as complete.
-            (entry / ".complete").unlink(missing_ok=True)
-            doomed = root / f".deleting-{entry.name}-{os.getpid()}"
-            with contextlib.suppress(OSError):
-                os.rename(entry, doomed)
-                shutil.rmtree(doomed, ignore_errors=True)
-    return size
+    bytes freed. Each is renamed aside before it is deleted, so a loader sees it whole or not at
+    all; processes that already loaded one keep their mapped libraries."""
+    root, freed = package_cache_dir(), 0
+    for entry in _cache_entries(root):
+        doomed = root / f".deleting-{entry.name}-{os.getpid()}"
+        try:
+            os.rename(entry, doomed)
+        except OSError:  # gone already, or not ours to move
+            continue
+        freed += _bytes_under(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return freed
 
 
 def _weight(weights: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.Tensor:
@@ -134,20 +153,31 @@ def _weight(weights: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.
         raise CorruptArtifactError(f"{package}: the weights file lacks constant {fqn!r}") from None
 
 
+class GraphPool:
+    """The memory pool and the one stream capturing into it, shared by the CUDA graphs of one load:
+    they run one after another, the outputs they keep alive are never handed out again, and the
+    allocator reuses a pool's free blocks only on the stream that freed them."""
+
+    def __init__(self, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            self.handle = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+
+
 class CudaGraph:
     """One static-shape compiled model captured as a CUDA graph on its first call, then replayed.
 
     AOTInductor launches every kernel from the host on each call; a replay launches the recorded
     sequence at once. Inputs are copied into static buffers (the copy also converts dtype, device
     and layout to what the model was compiled for); outputs are cloned out of the graph's memory,
-    which the next replay overwrites. The graphs of one load share `pool`: they run one after
-    another, and the outputs they keep alive are never handed out again.
+    which the next replay overwrites.
 
     `run` must be a single-threaded runner: the threaded one records and queries a CUDA event
     around each run, and querying is not allowed while a stream is being captured.
     """
 
-    def __init__(self, name: str, run: Any, inputs: list[dict[str, Any]], device: torch.device, pool: Any) -> None:
+    def __init__(self, name: str, run: Any, inputs: list[dict[str, Any]], device: torch.device,
+                 pool: GraphPool) -> None:
         self._name, self._run, self._device, self._pool = name, run, device, pool
         self._static = [torch.empty_strided(e["shape"], e["stride"], dtype=getattr(torch, e["dtype"]), device=device)
                         for e in inputs if "shape" in e]
@@ -174,11 +204,12 @@ class CudaGraph:
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self._device)):
+            with torch.cuda.graph(graph, pool=self._pool.handle, stream=self._pool.stream):
                 self._outputs = self._run(list(self._static))
         except RuntimeError as exc:
             raise AotbuildError(f"CUDA graph capture of compiled model {self._name} failed: {exc}",
-                                hint="load with cuda_graphs=False (aotbuild run --no-cuda-graphs)") from exc
+                                hint="load with cuda_graphs=False (aotbuild run --no-cuda-graphs); "
+                                     "to build without graphs, set cuda_graphs = false in the target") from exc
         return graph
 
 
@@ -191,10 +222,14 @@ class CompiledVariant:
     """
 
     def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
-                 weights: dict[str, torch.Tensor], sha256: str | None = None, cuda_graph_pool: Any = None) -> None:
+                 weights: dict[str, torch.Tensor], sha256: str | None = None,
+                 cuda_graph_pool: GraphPool | None = None) -> None:
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
         graphed = device.type == "cuda" and cuda_graph_pool is not None and "bucket" in entry
         # Bind before any call: a weight-less model run without constants crashes the process.
         if device.type == "cpu":
@@ -208,8 +243,7 @@ class CompiledVariant:
                                           False, True, True)
             self._run = runner.run
         else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            runner = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, graphed, 1, index)
+            runner = torch._C._aoti.AOTIModelPackageLoader(os.fspath(package), self.name, graphed, 1, device.index)
             runner.load_constants({k: _weight(weights, k, package) for k in runner.get_constant_fqns()},
                                   False, True, True)
             self._run = runner.boxed_run
@@ -266,7 +300,9 @@ class CompiledVariant:
                 elif "layout" in expected:
                     leaf = leaf.contiguous()
                 tensors.append(leaf)
-        return pytree.tree_unflatten(self._run(tensors), self.out_spec)
+        # The runner launches on the current device's stream: make that this model's device.
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            return pytree.tree_unflatten(self._run(tensors), self.out_spec)
 
     def __repr__(self) -> str:
         return f"CompiledVariant({self.name}, bucket={self.entry.get('bucket')})"
@@ -413,7 +449,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         raise AotbuildError(f"CUDA graphs need a CUDA device; this artifact runs on {device.type}",
                             hint="load it with cuda_graphs=False")
     modules = {}
-    pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+    pool = GraphPool(device) if cuda_graphs else None
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         weights = _load_weights(folder / entry["weights"], device)

@@ -80,10 +80,15 @@ def test_cache_shows_and_clears_extracted_packages(built, tmp_path, monkeypatch)
     from aotbuild.runtime import load_components
 
     monkeypatch.setenv("AOTBUILD_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "packages"
     load_components(built.folder)  # extracts both packages
+    (root / ".0123abcd-xyz").mkdir()  # another process's extraction in progress: not the clear's to delete
     shown = invoke("cache")
-    assert shown.exit_code == 0 and f"{tmp_path / 'cache' / 'packages'}: 2 extracted package(s)" in shown.output
+    assert shown.exit_code == 0 and f"{root}: 2 extracted package(s)" in shown.output
     cleared = invoke("cache", "--clear")
-    assert "cleared" in cleared.output and list((tmp_path / "cache" / "packages").iterdir()) == []
-    load_components(built.folder)  # extracted again at the next load
-    assert ": 2 extracted package(s)" in invoke("cache").output
+    assert "cleared" in cleared.output and [p.name for p in root.iterdir()] == [".0123abcd-xyz"]
+    # A folder under a package's name without the completion mark was never renamed into place
+    # whole: the next load replaces it instead of trusting it.
+    (root / built.manifest["files"]["unet.pt2"]["sha256"]).mkdir()
+    _, modules = load_components(built.folder)
+    assert ": 2 extracted package(s)" in invoke("cache").output and modules["unet"].variants
