@@ -25,7 +25,8 @@ CASES = ("eager", "compile", "compile-cached", "aot")
 # Opt-in: the same artifact served by its dynamic model only, at the first bucket's shape (the
 # cost of dynamism next to the static bucket); served with CUDA graphs on or off, whatever the
 # target says (`aot` runs it as built).
-EXTRA_CASES = ("aot-dynamic", "aot-cuda-graphs", "aot-no-cuda-graphs")
+GRAPH_CASES = {"aot-cuda-graphs": True, "aot-no-cuda-graphs": False}  # case: cuda_graphs forced to
+EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -119,7 +120,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     cases = tuple(c for c in CASES + EXTRA_CASES if c in cases)
     if "aot-dynamic" in cases and not target.dynamic:
         raise AotbuildError(f"case aot-dynamic needs a target with [dynamic]; {target.name} has none")
-    for case in ("aot-cuda-graphs", "aot-no-cuda-graphs"):
+    for case in GRAPH_CASES:
         if case in cases and target.device != "cuda":
             raise AotbuildError(f"case {case} needs a CUDA target; {target.name} runs on {target.device}")
     if "compile-cached" in cases and "compile" not in cases:
@@ -250,8 +251,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     rss_before, load_start = _rss_mib(), time.perf_counter()
     backend = "aot" if args.case.startswith("aot") else "compile" if args.case == "compile-cached" else args.case
-    cuda_graphs = {"aot-cuda-graphs": True, "aot-no-cuda-graphs": False}.get(args.case)
-    pipe = prepare(target, backend, Path(args.artifacts), cuda_graphs=cuda_graphs)
+    pipe = prepare(target, backend, Path(args.artifacts), cuda_graphs=GRAPH_CASES.get(args.case))
     if args.case == "aot-dynamic":
         for component in pipe.components.values():
             if hasattr(component, "variants"):

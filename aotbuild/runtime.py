@@ -83,9 +83,7 @@ def extracted_package(package: Path, sha256: str) -> Path:
     if (folder / ".complete").is_file():
         return folder
     if folder.is_dir():  # unmarked: never renamed into place by an extraction, so not trusted
-        with contextlib.suppress(OSError):
-            os.rename(folder, root / f".stale-{sha256[:16]}-{os.getpid()}")
-            shutil.rmtree(root / f".stale-{sha256[:16]}-{os.getpid()}", ignore_errors=True)
+        _remove_entry(folder)
     try:
         root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:16]}-", dir=root))
@@ -134,16 +132,20 @@ def clear_package_cache() -> int:
     """Delete every extracted package (each is extracted again at its next load); returns the
     bytes freed. Each is renamed aside before it is deleted, so a loader sees it whole or not at
     all; processes that already loaded one keep their mapped libraries."""
-    root, freed = package_cache_dir(), 0
-    for entry in _cache_entries(root):
-        doomed = root / f".deleting-{entry.name}-{os.getpid()}"
-        try:
-            os.rename(entry, doomed)
-        except OSError:  # gone already, or not ours to move
-            continue
-        freed += _bytes_under(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return freed
+    return sum(_remove_entry(entry) for entry in _cache_entries(package_cache_dir()))
+
+
+def _remove_entry(entry: Path) -> int:
+    """Rename a cache entry aside (a dot-name no loader looks at), then delete it; its bytes, or 0
+    when it was gone already or not ours to move."""
+    doomed = entry.parent / f".deleting-{entry.name}-{os.getpid()}"
+    try:
+        os.rename(entry, doomed)
+    except OSError:
+        return 0
+    size = _bytes_under(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return size
 
 
 def _weight(weights: dict[str, torch.Tensor], fqn: str, package: Path) -> torch.Tensor:

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import export
+import torch
+
 from .errors import SourceError, TargetError
-from .export import PROFILES
+from .export import PROFILES, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
 from .pipelines import pipeline_spec
 
@@ -191,8 +192,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         if not re.fullmatch(r"\d+\.\d+", capability):
             raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
         multi_arch = _expect(origin, "gpu.multi_arch", table.get("multi_arch", False), bool, "true or false")
-        if multi_arch and not export.supports_multi_arch():
-            raise TargetError(f"{origin}: key 'gpu.multi_arch': torch {export.torch.__version__} has no "
+        if multi_arch and not supports_multi_arch():
+            raise TargetError(f"{origin}: key 'gpu.multi_arch': torch {torch.__version__} has no "
                               f"aot_inductor.emit_multi_arch_kernel option")
         gpu = GpuSpec(name=str(table["name"]), capability=capability, multi_arch=multi_arch)
     elif device == "cuda":
