@@ -31,8 +31,11 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
     """A ready pipeline for `target` run the `backend` way (`cuda_graphs`: aot only, None = as built)."""
     if backend == "aot":
         from .runtime import load_pipeline
+        from .sources import is_random, local_folder
 
-        pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs)
+        # An artifact names a local source by its name only: the target knows where it is.
+        source = None if is_random(target.source) else local_folder(target.source, target.base_dir)
+        pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs, source=source)
     elif backend in ("eager", "compile"):
         from .builder import _check_device, _load_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec

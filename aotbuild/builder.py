@@ -3,8 +3,9 @@
 load -> capture (fp32 eager reference) -> optimize -> capture (example inputs) -> export ->
 compile -> package (+ weights) -> validate (compiled vs reference) -> manifest -> rename into place.
 
-Everything is written to a staging folder beside `artifacts/` and renamed into place only when
-complete, so a failed or killed build leaves the previous artifact untouched.
+Everything is written to a staging folder inside `artifacts/` (the same filesystem, so the final
+rename cannot fail with EXDEV on a mounted volume) and renamed into place only when complete, so a
+failed or killed build leaves the previous artifact untouched.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from .manifest import (
     write_manifest,
 )
 from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec
-from .runtime import CompiledVariant, GraphPool, leaf_signature
+from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .targets import ShapeBucket, Target
 
 # Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
 TOLERANCES = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
+STAGING_DIRNAME = ".staging"  # inside the artifacts folder: builds in progress, one folder per target
 # A CUDA graph replays the very kernels of a plain run on the same inputs: only the order of
 # atomic additions may differ.
 GRAPH_TOLERANCE = 1e-3
@@ -127,16 +129,22 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
         return BuildResult(folder, read_manifest(folder), skipped=True)
     _check_device(target)
 
-    staging_root = artifacts_dir.parent / f".{artifacts_dir.name}-staging"
-    staging_root.mkdir(parents=True, exist_ok=True)
-    with _target_lock(staging_root, target.name):
-        _recover_stale_staging(staging_root, artifacts_dir)
-        staging = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{target.name}-", dir=staging_root))
+    try:
+        staging_root = artifacts_dir / STAGING_DIRNAME
+        staging_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"cannot write into {artifacts_dir}: {exc}") from None
+    with _target_lock(staging_root, target.name) as staging_dir:
+        # A concurrent build of this target may have finished while this one waited for the lock.
+        if not force and is_fresh(folder, target):
+            progress("fresh", f"{folder} was just built by another process")
+            return BuildResult(folder, read_manifest(folder), skipped=True)
+        _recover_stale_staging(staging_dir, folder)
+        staging = Path(tempfile.mkdtemp(prefix="build-", dir=staging_dir))
         staging.chmod(0o755)
         try:
             manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress, target.device == "cuda"))
-            artifacts_dir.mkdir(parents=True, exist_ok=True)
-            _replace_folder(staging, folder, staging_root)
+            _replace_folder(staging, folder, staging_dir)
         except OSError as exc:
             raise BuildError(f"could not write the artifact: {exc}") from exc
         finally:
@@ -145,13 +153,18 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
 
 
 @contextlib.contextmanager
-def _target_lock(staging_root: Path, name: str) -> Iterator[None]:
-    """One build of a target at a time (a second one waits, then usually finds it fresh... or rebuilds)."""
+def _target_lock(staging_root: Path, name: str) -> Iterator[Path]:
+    """One build of a target at a time: an flock on `<staging>/<name>.lock`, held by the building
+    process until it ends (the kernel drops it when the process dies, whatever its PID becomes).
+    Yields the target's staging folder: whoever holds the lock owns everything in it, so what it
+    finds there was left by a build that died."""
     import fcntl
 
-    with open(staging_root / f".{name}.lock", "w") as lock:
+    with open(staging_root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        staging_dir = staging_root / name
+        staging_dir.mkdir(exist_ok=True)
+        yield staging_dir
 
 
 def _check_device(target: Target) -> None:
@@ -172,7 +185,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     specs = [spec.component(name) for name in target.components]
     device = torch.device(target.device)
     inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize),
-                                               multi_arch=bool(target.gpu and target.gpu.multi_arch))
+                                               multi_arch=bool(target.gpu and target.gpu.multi_arch),
+                                               device=target.device)
     points = _capture_points(target)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
@@ -213,14 +227,15 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
 
+    source = _source_record(target)
     manifest = {
         "schema": SCHEMA_VERSION,
         "aotbuild": aotbuild_version(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "target": target.to_dict(),
+        "target": {**target.to_dict(), "source": source["id"]},
         "target_hash": target.content_hash(),
-        "source": _source_record(target),
-        "environment": _environment(target),
+        "source": source,
+        "environment": _environment(target, inductor_options),
         "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
         "components": components,
         "runtime": runtime,
@@ -240,12 +255,21 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     return manifest
 
 
-def _environment(target: Target) -> dict[str, Any]:
-    """This machine's fingerprint, plus whether the kernels carry PTX for later GPUs (the
-    compatibility check and the Hub variant name read it from here)."""
+def _environment(target: Target, inductor_options: dict[str, Any]) -> dict[str, Any]:
+    """This machine's fingerprint, plus what the build decided about its code: whether the kernels
+    carry PTX for later GPUs (the compatibility check and the Hub variant name read it from here),
+    which CPU baseline the host code of a CUDA build targets, and the Triton that made the kernels."""
     env = environment(target.device)
     if target.gpu is not None:
         env["gpu_multi_arch"] = target.gpu.multi_arch
+    if target.device == "cuda":
+        env["host_march"] = inductor_options.get(export.MARCH_OPTION, "native")
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
     return env
 
 
@@ -266,14 +290,10 @@ def _release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
 
 
 def _source_record(target: Target) -> dict[str, Any]:
-    """Where the pipeline came from; a local folder is recorded absolute so the runtime finds it
-    from anywhere (it is not part of the target's hash)."""
-    record = {"id": target.source, "revision": target.revision,
-              "seed": target.seed if sources.is_random(target.source) else None}
-    folder = None if sources.is_random(target.source) else sources.local_folder(target.source, target.base_dir)
-    if folder is not None:
-        record["folder"] = str(folder.resolve())
-    return record
+    """Where the pipeline came from: a Hub id and revision, a random config set and seed, or a
+    local folder by its name only (its path would tie the artifact to this machine)."""
+    return {"id": sources.recorded_source(target.source, target.base_dir), "revision": target.revision,
+            "seed": target.seed if sources.is_random(target.source) else None}
 
 
 def _capture_points(target: Target) -> dict[str, ShapeBucket]:
@@ -370,7 +390,8 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
     custom_ops = sorted({ns for files in compiled.values() for ns in export.custom_ops_called(files)})
     package_file, weights_file = f"{spec.name}.pt2", f"{spec.name}.safetensors"
     with stages("package", f"{package_file} + {weights_file}"):
-        constants = _write_package(out, package_file, weights_file, compiled, programs)
+        constants, layouts = _write_package(out, package_file, weights_file, compiled, programs,
+                                            torch.device(target.device))
     return {
         "attribute": spec.attribute, "method": spec.method,
         "package": package_file, "weights": weights_file,
@@ -378,7 +399,8 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
         "custom_ops": custom_ops,
         "config": dict(module.config),
         "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
-        "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values())},
+        "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
+                      "layouts": layouts},
         "variants": variants,
     }
 
@@ -400,9 +422,10 @@ def _dynamic_signature(call: capture.CapturedCall, dims: list) -> list[dict[str,
 
 
 def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> Any:
-    folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set())
+    folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(), dtype=target.dtype)
     seed = target.seed if sources.is_random(target.source) else None
-    components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32)
+    components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32,
+                                         half_files=target.dtype in sources.HALF_DTYPES)
     pipe = sources.assemble_pipeline(spec, folder, components)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
@@ -424,14 +447,23 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
 
 
 def _write_package(out: Path, package_file: str, weights_file: str, compiled: dict[str, list],
-                   programs: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+                   programs: dict[str, torch.export.ExportedProgram],
+                   device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Write the package, then the weights: exactly the constants some variant binds (the
+    programs also hold parameters no compiled code reads, e.g. the q/k/v projections that
+    fuse_qkv replaced), each in the memory order the code reads it. Returns (constants, layouts)."""
     from safetensors.torch import save_file
 
     export.package(out / package_file, compiled)
-    constants = export.constants_of(list(programs.values()))
-    save_file({k: v.cpu() for k, v in constants.items()}, os.fspath(out / weights_file))
+    sha256 = sha256_file(out / package_file)
+    bound = set()
+    for name in compiled:
+        bound.update(open_model(out / package_file, sha256, name, device).get_constant_fqns())
+    constants = export.constants_of(list(programs.values()), bound)
+    stored, layouts = export.storage_order(constants)
+    save_file({k: v.cpu() for k, v in stored.items()}, os.fspath(out / weights_file))
     (out / weights_file).chmod(0o644)
-    return constants
+    return constants, layouts
 
 
 def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, ShapeBucket],
@@ -439,18 +471,17 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
     """Run each compiled variant through the runtime's own loader on the float32 captured inputs
     (cast to the variant's dtypes) and compare with the eager float32 output: a bucket at its
     shape, the dynamic model at the range's min and max corners and its base point."""
-    from .runtime import _load_weights
-
     failures, graph_failures = [], []
     graph_pool = GraphPool(device) if manifest["runtime"]["cuda_graphs"] else None
     for name, entry in manifest["components"].items():
-        weights = _load_weights(out / entry["weights"], device)
+        layouts = entry["constants"]["layouts"]
+        weights = load_weights(out / entry["weights"], device, layouts)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         package_sha = sha256_file(out / entry["package"])
         plain = {}
         for variant_entry in entry["variants"]:
             variant = plain[variant_entry["name"]] = CompiledVariant(out / entry["package"], variant_entry, device,
-                                                                     weights, package_sha)
+                                                                     weights, package_sha, layouts)
             checked = ["dynamic:min", "dynamic:base", "dynamic:max"] if "dynamic" in variant_entry else [variant.name]
             errors = {}
             for point in checked:
@@ -472,7 +503,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
             if not worst_rel <= tolerance:  # also catches NaN
                 failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
         if graph_pool is not None:
-            graph_failures += _check_cuda_graphs(out / entry["package"], name, plain, weights, package_sha,
+            graph_failures += _check_cuda_graphs(out / entry["package"], name, plain, weights, package_sha, layouts,
                                                  reference, points, device, graph_pool)
         # The bound weights stay on the device regardless: torch 2.13 never deletes its handle to a
         # user-managed constant (fixed upstream by pytorch#194480), so they live until the build ends.
@@ -485,12 +516,12 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
 
 
 def _check_cuda_graphs(package: Path, component: str, plain: dict[str, CompiledVariant], weights: dict,
-                       package_sha: str, reference: dict, points: dict[str, ShapeBucket], device: torch.device,
-                       pool: GraphPool) -> list[str]:
+                       package_sha: str, layouts: dict[str, dict], reference: dict, points: dict[str, ShapeBucket],
+                       device: torch.device, pool: GraphPool) -> list[str]:
     """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
     component captured into one shared pool, then each replayed on new random inputs. Records each
     variant's largest relative difference in its numerics; returns the failures."""
-    graphed = {name: CompiledVariant(package, v.entry, device, weights, package_sha, pool)
+    graphed = {name: CompiledVariant(package, v.entry, device, weights, package_sha, layouts, pool)
                for name, v in plain.items() if "bucket" in v.entry}
     generator = torch.Generator().manual_seed(0)
     diffs: dict[str, float] = dict.fromkeys(graphed, 0.0)
@@ -527,39 +558,25 @@ def _get_dotted(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def _replace_folder(new: Path, folder: Path, staging_root: Path) -> None:
+def _replace_folder(new: Path, folder: Path, staging_dir: Path) -> None:
     """Move the complete `new` folder to `folder`, replacing what was there. The previous artifact
-    is parked as `<pid>-old-<name>/artifact` for the instant between the two renames; a build killed
-    right there gets it back from `_recover_stale_staging`."""
+    is parked as `old-*/artifact` in the target's staging folder for the instant between the two
+    renames; a build killed right there gets it back from `_recover_stale_staging`."""
     old = None
     if folder.exists():
-        old = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-old-{folder.name}-", dir=staging_root))
+        old = Path(tempfile.mkdtemp(prefix="old-", dir=staging_dir))
         os.rename(folder, old / "artifact")
     os.rename(new, folder)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _recover_stale_staging(staging_root: Path, artifacts_dir: Path) -> None:
-    """Clean up after killed builds (their process is gone): put back a parked previous artifact
-    whose replacement never arrived, delete partial staging folders."""
-    for path in staging_root.iterdir():
-        pid, _, rest = path.name.partition("-")
-        if not path.is_dir() or not pid.isdigit() or _process_alive(int(pid)):
-            continue
+def _recover_stale_staging(staging_dir: Path, folder: Path) -> None:
+    """Clean up after killed builds of this target (called under its lock, so every entry is from
+    a build that died): put back a parked previous artifact whose replacement never arrived,
+    delete partial staging folders."""
+    for path in staging_dir.iterdir():
         parked = path / "artifact"
-        if rest.startswith("old-") and parked.is_dir():
-            name = rest[len("old-"):].rsplit("-", 1)[0]
-            if not (artifacts_dir / name).exists():
-                os.rename(parked, artifacts_dir / name)
+        if path.name.startswith("old-") and parked.is_dir() and not folder.exists():
+            os.rename(parked, folder)
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        pass
-    return True

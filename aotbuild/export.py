@@ -41,6 +41,12 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 # Set from the target's `gpu.multi_arch`, so the manifest's environment and the variant name say it.
 MULTI_ARCH_OPTION = "aot_inductor.emit_multi_arch_kernel"
+# Inductor compiles host C++ with -march=native by default, CUDA builds' too: a CUDA variant
+# built on one x86 host would die with SIGILL on another host with the same GPU. Their host code
+# only launches kernels, so it targets the compiler's portable default ("" drops the flag). CPU
+# builds keep -march=native for their kernels' speed; the runtime checks the CPU's flags instead.
+MARCH_OPTION = "cpp.march"
+PORTABLE_MARCH = ""
 
 
 def supports_multi_arch() -> bool:
@@ -61,10 +67,10 @@ def nvcc() -> str | None:
 
 
 def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None, *,
-                     multi_arch: bool = False) -> dict[str, Any]:
+                     multi_arch: bool = False, device: str = "cpu") -> dict[str, Any]:
     """The full per-compile option dict: profile, then the passes' flags, then the target's explicit
-    keys, then the options aotbuild owns (weight-less packaging, multi-arch kernels). Unknown
-    inductor keys are refused by name."""
+    keys, then the options aotbuild owns (weight-less packaging, multi-arch kernels, a portable
+    host-code baseline on CUDA). Unknown inductor keys are refused by name."""
     from torch._inductor import config as inductor_config
 
     explicit = {k: v for k, v in target_options.items() if k != "profile"}
@@ -76,8 +82,12 @@ def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] 
             raise BuildError(f"[inductor] key {key!r} is set by aotbuild to keep packages weight-less")
         if key == MULTI_ARCH_OPTION:
             raise BuildError(f"[inductor] key {key!r} is set by aotbuild", hint="use gpu = { ..., multi_arch = true }")
+        if key == MARCH_OPTION:
+            raise BuildError(f"[inductor] key {key!r} is set by aotbuild: CPU code is built for this machine's CPU "
+                             f"(checked at load), CUDA host code for a portable baseline")
     profile = PROFILES[target_options.get("profile", "default")]
-    owned = {**WEIGHTLESS_OPTIONS, **({MULTI_ARCH_OPTION: True} if multi_arch else {})}
+    owned = {**WEIGHTLESS_OPTIONS, **({MULTI_ARCH_OPTION: True} if multi_arch else {}),
+             **({MARCH_OPTION: PORTABLE_MARCH} if device == "cuda" else {})}
     return {**profile, **(pass_flags or {}), **explicit, **owned}
 
 
@@ -133,19 +143,49 @@ def package(path: Path, compiled: dict[str, list]) -> None:
     package_aoti(os.fspath(path), compiled)
 
 
-def constants_of(programs: list[torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
-    """Every parameter, buffer and lifted constant the programs bind, by FQN, as plain
-    contiguous tensors that own their storage (safetensors refuses shared storage)."""
+def constants_of(programs: list[torch.export.ExportedProgram], bound: set[str]) -> dict[str, torch.Tensor]:
+    """The constants the compiled models bind (`bound`: the union of their constant FQNs), by FQN,
+    from the programs' parameters, buffers and lifted constants. A program also holds what no
+    compiled code reads (fuse_qkv keeps the q/k/v projections beside the fused one): not stored."""
     constants: dict[str, torch.Tensor] = {}
     for program in programs:
         for fqn, value in {**program.state_dict, **program.constants}.items():
-            if isinstance(value, torch.Tensor) and fqn not in constants:
+            if fqn in bound and isinstance(value, torch.Tensor) and fqn not in constants:
                 constants[fqn] = value.detach()
+    missing = sorted(bound - set(constants))
+    if missing:
+        raise BuildError(f"the compiled code binds constants the exported programs lack: {', '.join(missing[:5])}")
+    return constants
+
+
+def storage_order(constants: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Each constant as safetensors can store it (contiguous, owning its storage) without losing
+    the strides the code was compiled for: a constant laid out otherwise (NHWC convolution weights
+    under channels_last) is stored in its memory order, and its shape and strides are returned to
+    be recorded, so the runtime views it back (`runtime.load_weights`). Returns (stored, layouts)."""
+    stored, layouts = {}, {}
     seen: set[int] = set()
     for fqn, tensor in constants.items():
+        if not tensor.is_contiguous():
+            if not _dense(tensor):
+                raise BuildError(f"constant {fqn} has a layout no stored copy can have (shape {list(tensor.shape)}, "
+                                 f"strides {list(tensor.stride())}: not dense)")
+            layouts[fqn] = {"shape": list(tensor.shape), "stride": list(tensor.stride())}
+            order = sorted(range(tensor.ndim), key=lambda d: -tensor.stride(d))
+            tensor = tensor.permute(order)  # its memory order: contiguous, the same storage
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in seen or not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-            tensor = tensor.contiguous().clone()
+            tensor = tensor.contiguous().clone()  # safetensors refuses shared or partial storage
         seen.add(pointer)
-        constants[fqn] = tensor
-    return constants
+        stored[fqn] = tensor
+    return stored, layouts
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Every element at its own offset, none skipped: a permutation of a contiguous layout."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

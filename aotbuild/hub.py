@@ -119,10 +119,15 @@ class PushResult:
     pr_url: str | None = None
 
 
-def _api(token: str | None = None) -> Any:
+def hub_endpoint() -> str | None:
+    """The Hub to talk to: HF_ENDPOINT as set now (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def hub_api(token: str | None = None) -> Any:
     from huggingface_hub import HfApi
 
-    return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
+    return HfApi(endpoint=hub_endpoint(), token=token)
 
 
 def _hub_error(action: str, exc: Exception) -> HubError:
@@ -149,7 +154,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
     bench_file = folder / "bench.json"
     bench = json.loads(bench_file.read_text()) if bench_file.is_file() else None
     local = [MANIFEST_NAME, *manifest["files"]] + (["bench.json"] if bench else [])
-    api = _api(token)
+    api = hub_api(token)
     description = (f"{manifest['target']['name']} built by aotbuild {manifest['aotbuild']} "
                    f"with torch {manifest['environment']['torch']}")
     try:
@@ -267,20 +272,24 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
 
 
 def resolve(spec: str, *, variant: str | None = None, device: str | None = None, dtype: str | None = None,
-            pipeline: str | None = None, cache_dir: str | os.PathLike | None = None) -> Resolved:
+            pipeline: str | None = None, cache_dir: str | os.PathLike | None = None, verify: bool = True) -> Resolved:
     """Download the fitting variant of `org/name[@revision]` (only its files) and return its folder.
-    Works offline (HF_HUB_OFFLINE=1) from the cache. Hashes are checked before returning."""
+    Works offline (HF_HUB_OFFLINE=1) from the cache. `verify` hashes every file before returning
+    (`aotbuild pull`); loading checks the files itself (`runtime.check_artifact_files`)."""
     import torch
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo_id, revision = parse_repo(spec)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    endpoint = os.environ.get("HF_ENDPOINT") or None
+    endpoint = hub_endpoint()
     try:
         index_file = hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir, endpoint=endpoint)
         entry = choose_variant(_read_index(Path(index_file)), device=device, dtype=dtype, variant=variant,
                                pipeline=pipeline)
+        if not isinstance(entry.get("path"), str) or not _SAFE_PATH.fullmatch(entry["path"]) \
+                or {".", ".."} & set(entry["path"].split("/")):
+            raise HubError(f"{repo_id}: index.json names an invalid variant path {entry.get('path')!r}")
         snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, endpoint=endpoint,
                                           allow_patterns=[f"{entry['path']}/*", f"{entry['path']}/**"]))
     except AotbuildError:
@@ -289,13 +298,13 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
         raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
     except Exception as exc:  # the HTTP client's own connection errors
         raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
-    if not _SAFE_PATH.fullmatch(entry["path"]):
-        raise HubError(f"{repo_id}: index.json names an invalid variant path {entry['path']!r}")
     folder = snapshot / entry["path"]
-    try:
-        verify_files(folder, read_manifest(folder))
-    except CorruptArtifactError as exc:
-        # The HF cache trusts its blobs: pulling again reuses the damaged file until it is removed.
-        raise CorruptArtifactError(str(exc), hint=f"delete the damaged file from the Hugging Face cache "
-                                                  f"({snapshot}) and pull again") from None
+    manifest = read_manifest(folder)  # refuses file paths outside the variant's folder
+    if verify:
+        try:
+            verify_files(folder, manifest)
+        except CorruptArtifactError as exc:
+            # The HF cache trusts its blobs: pulling again reuses the damaged file until it is removed.
+            raise CorruptArtifactError(str(exc), hint=f"delete the damaged file from the Hugging Face cache "
+                                                      f"({snapshot}) and pull again") from None
     return Resolved(folder, repo_id, revision, snapshot.name, entry["path"])

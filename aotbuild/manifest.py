@@ -76,8 +76,9 @@ def aotbuild_version() -> str:
     return __version__
 
 
-def environment(device: str) -> dict[str, Any]:
-    """What decides whether compiled code runs here: torch build, accelerator, CPU, Python."""
+def environment(device: str, index: int | None = None) -> dict[str, Any]:
+    """What decides whether compiled code runs here: torch build, accelerator, CPU, Python. On
+    CUDA, the GPU numbered `index` (default: the current one), the one the caller will run on."""
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
@@ -90,18 +91,12 @@ def environment(device: str) -> dict[str, Any]:
         "hip": getattr(torch.version, "hip", None),
     }
     if device == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
         env["gpu_name"] = props.name
         env["gpu_capability"] = f"{props.major}.{props.minor}"
         env["gpu_memory_mib"] = props.total_memory // 2**20
         env["gpu_shared_memory_per_block"] = getattr(props, "shared_memory_per_block_optin", None)
         env["cuda_driver"] = cuda_driver_version()
-        try:
-            import triton
-
-            env["triton"] = triton.__version__
-        except ImportError:
-            env["triton"] = None
     return env
 
 
@@ -125,26 +120,45 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise CorruptArtifactError(f"{path} is not valid JSON: {exc}") from None
     if manifest.get("schema") != SCHEMA_VERSION:
         raise IncompatibleArtifactError("schema", SCHEMA_VERSION, manifest.get("schema"))
+    try:
+        named = [*manifest["files"], *(entry[key] for entry in manifest["components"].values()
+                                       for key in ("package", "weights"))]
+    except (KeyError, TypeError, AttributeError):
+        raise CorruptArtifactError(f"{path} lacks its files or components") from None
+    for relative in named:
+        check_relative_path(relative, f"{path} names a file")
     return manifest
+
+
+def check_relative_path(relative: Any, what: str) -> str:
+    """`relative` when it is a plain path inside a folder: no absolute path, no empty, '.' or '..'
+    component, no backslash. Every path an artifact or a Hub index names goes through here before
+    it is joined to a folder or downloaded."""
+    parts = relative.split("/") if isinstance(relative, str) else [""]
+    if any(part in ("", ".", "..") for part in parts) or "\\" in relative:
+        raise CorruptArtifactError(f"{what} outside its folder: {relative!r}")
+    return relative
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     (Path(folder) / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
+def check_file(path: Path, record: dict[str, Any], *, hash: bool = True) -> None:
+    """The file exists with the size the manifest records and, if `hash`, its sha256."""
+    if not path.is_file():
+        raise CorruptArtifactError(f"{path} is missing from the artifact")
+    if path.stat().st_size != record["bytes"]:
+        raise CorruptArtifactError(f"{path}: size is {path.stat().st_size} bytes, the manifest says {record['bytes']}")
+    if hash and (actual := sha256_file(path)) != record["sha256"]:
+        raise CorruptArtifactError(f"{path}: sha256 is {actual}, the manifest says {record['sha256']}",
+                                   hint="the file was changed or damaged; rebuild or pull it again")
+
+
 def verify_files(folder: Path, manifest: dict[str, Any]) -> None:
-    """Every file listed in the manifest exists with its recorded size and sha256."""
-    for name, entry in manifest["files"].items():
-        path = Path(folder) / name
-        if not path.is_file():
-            raise CorruptArtifactError(f"{path} is missing from the artifact")
-        if path.stat().st_size != entry["bytes"]:
-            raise CorruptArtifactError(
-                f"{path}: size is {path.stat().st_size} bytes, the manifest says {entry['bytes']}")
-        actual = sha256_file(path)
-        if actual != entry["sha256"]:
-            raise CorruptArtifactError(f"{path}: sha256 is {actual}, the manifest says {entry['sha256']}",
-                                       hint="the file was changed or damaged; rebuild or pull it again")
+    """Every file listed in the manifest exists with its recorded size and sha256 (all hashed)."""
+    for name, record in manifest["files"].items():
+        check_file(Path(folder) / name, record)
 
 
 def _capability_hint(built: dict[str, Any]) -> str:
@@ -158,13 +172,14 @@ def _isa_rank(isa: str) -> int:
     return CPU_ISA_ORDER.index(isa) if isa in CPU_ISA_ORDER else -1
 
 
-def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dtype: str | None = None,
-                     here: dict[str, Any] | None = None) -> None:
+def check_compatible(manifest: dict[str, Any], *, device: str | torch.device | None = None,
+                     dtype: str | None = None, here: dict[str, Any] | None = None) -> None:
     """Refuse an artifact that cannot run here, naming the field and both values.
 
     Args:
         manifest: a parsed manifest.
-        device: the device type the caller wants ("cpu", "cuda"); defaults to the artifact's.
+        device: the device the caller will run on ("cpu", "cuda", "cuda:1"); defaults to the
+            artifact's device type (and on CUDA the current GPU).
         dtype: the dtype the caller wants; defaults to the artifact's.
         here: the machine to check against, as `environment` describes it; defaults to this one.
 
@@ -172,7 +187,10 @@ def check_compatible(manifest: dict[str, Any], *, device: str | None = None, dty
         IncompatibleArtifactError: torch version, device type, GPU capability, CPU ISA or dtype differ.
     """
     built = manifest["environment"]
-    here = environment(built["device_type"]) if here is None else here
+    wanted = torch.device(device) if device is not None else None
+    if here is None:
+        here = environment(built["device_type"], wanted.index if wanted is not None else None)
+    device = wanted.type if wanted is not None else None
     if here["torch"] != built["torch"]:
         raise IncompatibleArtifactError("torch", here["torch"], built["torch"],
                                         hint="compiled code is tied to the torch build; rebuild with this torch")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,27 @@ from .errors import SourceError
 from .pipelines import PipelineSpec
 
 RANDOM_PREFIX = "random:"
+LOCAL_PREFIX = "local:"  # how a manifest names a local folder source: by its name, never its path
 SOURCE_DIRNAME = "source"  # where an artifact keeps the config set of a random source
+HALF_DTYPES = ("float16", "bfloat16")
+# diffusers' and transformers' variant file names: model.fp16.safetensors, model.fp16-00001-of-00002.safetensors
+FP16_FILE = re.compile(r"\.fp16[.-][^/]*safetensors$")
 
 
 def is_random(source: str) -> bool:
     return source.startswith(RANDOM_PREFIX)
+
+
+def is_local_record(source: str) -> bool:
+    """Whether a manifest's source id names a local folder (`local:NAME`)."""
+    return source.startswith(LOCAL_PREFIX)
+
+
+def recorded_source(source: str, base_dir: Path) -> str:
+    """What a manifest records of the source: the source itself, or `local:NAME` for a local
+    folder. A machine path would tie the artifact to the build machine and leak into Hub pushes."""
+    folder = None if is_random(source) else local_folder(source, base_dir)
+    return f"{LOCAL_PREFIX}{folder.resolve().name}" if folder is not None else source
 
 
 def config_set_dir(source: str, base_dir: Path) -> Path:
@@ -73,20 +90,36 @@ def _from_configs(source: str, base_dir: Path, read: Any, default: Any) -> Any:
         raise SourceError(f"source {source!r}: config lacks {exc}") from None
 
 
-def hub_folder(repo_id: str, revision: str | None, skip: set[str]) -> Path:
+def hub_folder(repo_id: str, revision: str | None, skip: set[str], dtype: str | None = None) -> Path:
     """Download the pipeline from the Hub: configs, tokenizers and the safetensors weights of each
-    component except `skip` (never the repo's single-file checkpoints, ONNX or Flax copies)."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    component except `skip` (never the repo's single-file checkpoints, ONNX or Flax copies). A
+    float16 or bfloat16 pipeline takes each component's fp16 variant files where the repo has them
+    (half the bytes: 5 GB instead of 10 GB for SDXL's UNet), the full ones otherwise. Offline
+    (HF_HUB_OFFLINE=1), the cached snapshot of that revision is used as it is."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+
+    from .hub import hub_api, hub_endpoint
 
     try:
-        index = json.loads(Path(hf_hub_download(repo_id, "model_index.json", revision=revision)).read_text())
+        endpoint = hub_endpoint()
+        index = json.loads(Path(hf_hub_download(repo_id, "model_index.json", revision=revision,
+                                                endpoint=endpoint)).read_text())
         components = [k for k, v in index.items() if isinstance(v, list) and v[0] is not None and k not in skip]
         patterns = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model"]
-        patterns += [f"{name}/*.safetensors" for name in components]
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
-                                      ignore_patterns=["*.fp16.safetensors", "*/*.fp16.*"]))
+        if not constants.HF_HUB_OFFLINE:
+            files = hub_api().list_repo_files(repo_id, revision=revision)
+            patterns += [f for name in components for f in _weights_files(files, name, dtype in HALF_DTYPES)]
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, endpoint=endpoint))
     except Exception as exc:  # huggingface_hub raises many types; all mean the same to the user
         raise SourceError(f"cannot fetch {repo_id}@{revision or 'main'} from the Hub: {exc}") from None
+
+
+def _weights_files(files: list[str], component: str, half: bool) -> list[str]:
+    """The safetensors files of one component folder to use: its fp16 variant for a half-precision
+    pipeline (or when the folder has nothing else), else the full-precision files."""
+    weights = [f for f in files if f.startswith(f"{component}/") and f.count("/") == 1 and f.endswith(".safetensors")]
+    fp16 = [f for f in weights if FP16_FILE.search(f)]
+    return fp16 if fp16 and (half or len(fp16) == len(weights)) else [f for f in weights if f not in fp16]
 
 
 def _component_class(library: str, class_name: str) -> type:
@@ -108,7 +141,7 @@ def _random_component(cls: type, folder: Path, seed: int) -> Any:
 
 
 def load_components(
-    folder: Path, *, seed: int | None, skip: set[str], dtype: Any = None,
+    folder: Path, *, seed: int | None, skip: set[str], dtype: Any = None, half_files: bool = False,
 ) -> dict[str, Any]:
     """Instantiate every component of the diffusers folder except `skip`.
 
@@ -117,6 +150,8 @@ def load_components(
         seed: random weights from this seed (config sets), or None to load the folder's weights.
         skip: pipeline attributes not to load (the compiled ones).
         dtype: torch dtype for models.
+        half_files: read a component's fp16 variant files where it has them (a half-precision
+            target: the files `hub_folder` downloads for it).
     """
     import torch
 
@@ -132,7 +167,9 @@ def load_components(
         if seed is not None:
             obj = _random_component(cls, sub, seed)
         elif issubclass(cls, torch.nn.Module):
-            obj = cls.from_pretrained(sub, torch_dtype=dtype)
+            files = [f"{name}/{p.name}" for p in sub.glob("*.safetensors")]
+            fp16 = bool(files) and all(FP16_FILE.search(f) for f in _weights_files(files, name, half_files))
+            obj = cls.from_pretrained(sub, torch_dtype=dtype, variant="fp16" if fp16 else None)
         else:  # tokenizers, schedulers
             obj = cls.from_pretrained(sub)
         if isinstance(obj, torch.nn.Module):
@@ -143,13 +180,15 @@ def load_components(
     return components
 
 
-def resolve_folder(source: str, revision: str | None, base_dir: Path, skip: set[str]) -> Path:
-    """The diffusers folder of any source kind; Hub sources are downloaded without `skip` weights."""
+def resolve_folder(source: str, revision: str | None, base_dir: Path, skip: set[str],
+                   dtype: str | None = None) -> Path:
+    """The diffusers folder of any source kind; Hub sources are downloaded without `skip` weights,
+    in the files that suit `dtype` (see `hub_folder`)."""
     folder = local_folder(source, base_dir)
     if folder is None:
         if Path(source).expanduser().exists():
             raise SourceError(f"source {source!r} is a path but holds no model_index.json")
-        folder = hub_folder(source, revision, skip)
+        folder = hub_folder(source, revision, skip, dtype)
     return folder
 
 

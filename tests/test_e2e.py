@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -176,7 +177,7 @@ def test_missing_file_is_refused(artifact_copy):
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("torch", "2.99.0+cu999", r"torch is '2.99.0\+cu999' in the artifact, '2.13.0\+cpu' here"),
+    ("torch", "2.99.0+cu999", rf"torch is '2.99.0\+cu999' in the artifact, '{re.escape(torch.__version__)}' here"),
     ("device_type", "cuda", r"device_type is 'cuda' in the artifact"),
     ("platform", "linux-aarch64", r"platform is 'linux-aarch64' in the artifact"),
     ("cpu_isa", "AMX", r"cpu_isa is 'AMX' in the artifact"),
@@ -216,7 +217,20 @@ def test_second_build_is_skipped_and_a_changed_target_is_not_fresh(built, tiny_t
     assert not is_fresh(built.folder, dataclasses.replace(tiny_target, guidance_scale=7.0))
 
 
+def _hold_lock(lock: os.PathLike) -> subprocess.Popen:
+    """Another process holding a build lock (as a build in progress does) until it is killed."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)",
+                               str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
 def test_killed_build_leaves_previous_artifact(built, tmp_path):
+    import fcntl
+
+    from aotbuild.builder import STAGING_DIRNAME, _recover_stale_staging, _target_lock
+
     artifacts = tmp_path / "artifacts"
     shutil.copytree(built.folder, artifacts / built.folder.name)
     manifest = read_manifest(artifacts / built.folder.name)
@@ -228,31 +242,60 @@ def test_killed_build_leaves_previous_artifact(built, tmp_path):
     for line in process.stderr:  # kill it mid-compile, after it has written into its staging folder
         if "[  compile]" in line or time.monotonic() > deadline:
             break
+    staging_root = artifacts / STAGING_DIRNAME  # inside artifacts/: the final rename never crosses filesystems
+    lock = staging_root / f"{built.folder.name}.lock"
+    with open(lock) as f, pytest.raises(BlockingIOError):  # the building process holds its target's lock
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     time.sleep(2)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert sorted(p.name for p in artifacts.iterdir()) == [built.folder.name]
+    assert sorted(p.name for p in artifacts.iterdir()) == [STAGING_DIRNAME, built.folder.name]
     verify_files(artifacts / built.folder.name, manifest)
-    staging = tmp_path / ".artifacts-staging"
-    assert [p.name.split("-")[0] for p in staging.iterdir() if p.is_dir()] == [str(process.pid)]
-    from aotbuild.builder import _recover_stale_staging
-
-    _recover_stale_staging(staging, artifacts)  # the next build does this first
-    assert [p for p in staging.iterdir() if p.is_dir()] == []
+    staging = staging_root / built.folder.name
+    assert [p.name.split("-")[0] for p in staging.iterdir()] == ["build"]
+    # The kernel dropped the dead build's lock, whatever its PID is now; whoever takes it owns the
+    # folder, so everything in it is stale (the next build does this first).
+    with _target_lock(staging_root, built.folder.name) as staging_dir:
+        _recover_stale_staging(staging_dir, artifacts / built.folder.name)
+    assert list(staging.iterdir()) == []
+    verify_files(artifacts / built.folder.name, manifest)
 
 
 def test_build_killed_between_renames_gets_its_previous_artifact_back(built, tmp_path):
-    from aotbuild.builder import _recover_stale_staging
+    from aotbuild.builder import STAGING_DIRNAME, _recover_stale_staging, _target_lock
 
-    artifacts, staging = tmp_path / "artifacts", tmp_path / ".artifacts-staging"
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout.strip()
-    parked = staging / f"{dead_pid}-old-{built.folder.name}-x1y2" / "artifact"
+    artifacts = tmp_path / "artifacts"
+    parked = artifacts / STAGING_DIRNAME / built.folder.name / "old-x1y2" / "artifact"
     shutil.copytree(built.folder, parked)
-    artifacts.mkdir()
-    _recover_stale_staging(staging, artifacts)
+    with _target_lock(artifacts / STAGING_DIRNAME, built.folder.name) as staging_dir:
+        _recover_stale_staging(staging_dir, artifacts / built.folder.name)
     verify_files(artifacts / built.folder.name, read_manifest(artifacts / built.folder.name))
-    assert list(staging.iterdir()) == []
+    assert list((artifacts / STAGING_DIRNAME / built.folder.name).iterdir()) == []
+
+
+def test_build_waiting_for_the_lock_checks_freshness_again(built, tiny_target, tmp_path):
+    """A second build of a target waits for the first; when that one has made the artifact fresh,
+    the second does nothing (freshness is checked again under the lock)."""
+    import threading
+
+    from aotbuild.builder import STAGING_DIRNAME
+
+    artifacts = tmp_path / "artifacts"
+    (artifacts / STAGING_DIRNAME).mkdir(parents=True)
+    holder = _hold_lock(artifacts / STAGING_DIRNAME / f"{built.folder.name}.lock")  # a build in progress
+    messages: list[tuple[str, str]] = []
+    result = []
+    waiting = threading.Thread(target=lambda: result.append(
+        build(tiny_target, artifacts, progress=lambda stage, message: messages.append((stage, message)))))
+    waiting.start()
+    time.sleep(3)
+    assert waiting.is_alive() and messages == []  # not fresh before the lock; waiting for it
+    shutil.copytree(built.folder, artifacts / built.folder.name)  # what the other build wrote
+    holder.kill()
+    holder.wait()
+    waiting.join(timeout=120)
+    assert result and result[0].skipped
+    assert messages == [("fresh", f"{artifacts / built.folder.name} was just built by another process")]
 
 
 def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy, tiny_target):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import aotbuild
 from aotbuild.cli import main
 from aotbuild.errors import CorruptArtifactError, HubError, NoMatchingVariantError
 from aotbuild.hub import model_card, parse_repo, push, resolve, variant_id
+from aotbuild.manifest import environment
 
 from .conftest import ROOT, TARGETS
 from .hubserver import FakeHub
@@ -25,7 +27,8 @@ from .hubserver import FakeHub
 pytestmark = pytest.mark.slow
 TOKEN = "hf_aotbuildSecretTestToken123"
 REPO = "aotbuild-test/tiny-sdxl"
-HERE = variant_id({"torch": "2.13.0+cpu", "device_type": "cpu", "platform": "linux-x86_64", "cpu_isa": "AVX512"})
+HERE = variant_id(environment("cpu"))  # this machine's variant
+OTHER = variant_id({**environment("cpu"), "torch": "2.12.0+cpu"})  # the same machine, another torch
 
 
 @pytest.fixture
@@ -55,7 +58,8 @@ def test_parse_repo_and_variant_names():
     assert parse_repo("hf://org/name@v1") == ("org/name", "v1") and parse_repo("org/name") == ("org/name", None)
     with pytest.raises(aotbuild.AotbuildError, match="expected org/name"):
         parse_repo("justname")
-    assert HERE == "torch2.13.0-cpu-x86_64-avx512"
+    assert variant_id({"torch": "2.13.0+cpu", "device_type": "cpu", "platform": "linux-x86_64",
+                       "cpu_isa": "AVX512"}) == "torch2.13.0-cpu-x86_64-avx512"
     assert variant_id({"torch": "2.13.0+cu128", "device_type": "cuda", "cuda": "12.8",
                        "gpu_capability": "9.0"}) == "torch2.13.0-cu128-sm90"
     assert variant_id({"torch": "2.13.0+cu128", "device_type": "cuda", "cuda": "12.8", "gpu_capability": "8.0",
@@ -120,8 +124,8 @@ def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target
 
 def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):
     push(other_torch_copy(built, tmp_path), REPO)
-    with pytest.raises(NoMatchingVariantError, match=r"no variant fits this machine \(torch2.13.0-cpu.*"
-                                                    r"the repo has: cpu-tiny-sdxl/torch2.12.0-cpu-x86_64-avx512"):
+    with pytest.raises(NoMatchingVariantError, match=rf"no variant fits this machine \({re.escape(HERE)}.*"
+                                                    rf"the repo has: cpu-tiny-sdxl/{re.escape(OTHER)}"):
         resolve(REPO)
     push(built.folder, REPO)
     found = resolve(REPO)
@@ -138,8 +142,7 @@ def test_concurrent_pushes_both_stay_in_the_index(hub, built, tmp_path):
     commits = hub.commits(REPO)
     assert len(commits) == 3
     index = json.loads(commits[-1]["files"]["index.json"])
-    assert [v["path"] for v in index["variants"]] == ["cpu-tiny-sdxl/torch2.12.0-cpu-x86_64-avx512",
-                                                      f"cpu-tiny-sdxl/{HERE}"]
+    assert [v["path"] for v in index["variants"]] == [f"cpu-tiny-sdxl/{OTHER}", f"cpu-tiny-sdxl/{HERE}"]
     refused = [r for r in hub.requests if "/commit/" in r["path"] and r["status"] == 412]
     assert len(refused) == 1  # the first try was refused, not merged blindly
 

@@ -1,0 +1,30 @@
+"""The lightweight loader: check an artifact against this machine, load its compiled packages,
+bind their weights without copies, and swap them into a diffusers pipeline.
+
+One module per concern: `cache` (extracted packages, verified weights, what is trusted),
+`weights` (layouts and binding checks), `variant` (one compiled model), `graphs` (CUDA graphs),
+`component` (the stand-in module), `load` (the public entry points).
+
+Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,
+torchao or torch._dynamo: what this package imports decides cold start.
+"""
+
+from .cache import (
+    check_artifact_files,
+    clear_package_cache,
+    extracted_package,
+    package_cache_dir,
+    package_cache_usage,
+)
+from .component import CompiledComponent, Config, variant_coverage
+from .graphs import CudaGraph, GraphPool
+from .load import apply, artifact_folder, load_components, load_pipeline
+from .variant import CompiledVariant, leaf_name, leaf_signature, open_model
+from .weights import load_weights
+
+__all__ = [
+    "CompiledComponent", "CompiledVariant", "Config", "CudaGraph", "GraphPool", "apply", "artifact_folder",
+    "check_artifact_files", "clear_package_cache", "extracted_package", "load_components", "load_pipeline",
+    "load_weights", "leaf_name", "leaf_signature", "open_model", "package_cache_dir", "package_cache_usage",
+    "variant_coverage",
+]

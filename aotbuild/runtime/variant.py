@@ -1,0 +1,151 @@
+"""One compiled model of a package, bound to its weights: loading it, the input signature it
+was compiled for, the checks AOTInductor does not make, and calling it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..errors import CorruptArtifactError
+from ..shapes import infer_size
+from .cache import extracted_package
+from .graphs import CudaGraph, GraphPool
+from .weights import bindable
+
+
+def leaf_name(path: tuple) -> str:
+    """A readable name for a leaf of an (args, kwargs) pair: `args[0]`, `added_cond_kwargs.time_ids`."""
+    keys = [getattr(k, "idx", getattr(k, "key", k)) for k in path]
+    if not keys:
+        return "input"
+    head = f"args[{keys[1]}]" if keys[0] == 0 and len(keys) > 1 else str(keys[1] if len(keys) > 1 else keys[0])
+    return ".".join([head, *map(str, keys[2:])])
+
+
+def leaf_signature(tree: Any) -> list[dict[str, Any]]:
+    """Flattened description of a call: per leaf its path and, for tensors, shape/dtype/stride."""
+    leaves = []
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        key = leaf_name(path)
+        if isinstance(leaf, torch.Tensor):
+            leaves.append({"path": key, "shape": list(leaf.shape), "dtype": str(leaf.dtype).removeprefix("torch."),
+                           "stride": list(leaf.stride())})
+        else:
+            leaves.append({"path": key, "value": repr(leaf)})
+    return leaves
+
+
+def open_model(package: Path, sha256: str, name: str, device: torch.device) -> Any:
+    """The compiled model `name` of a package, loaded in place from the extracted-package cache
+    (no archive extraction per process, nothing written to the temporary folder), with
+    AOTInductor's single-threaded runner on every device.
+
+    Why single-threaded: the threaded runner keeps one model instance per concurrent call and,
+    before each call, waits for the previous call's CUDA event, so the host cannot queue the next
+    denoising step while the GPU runs this one; and querying that event is not allowed while a
+    CUDA graph is captured. Pipeline calls are sequential; `CompiledVariant.run` serialises
+    concurrent callers with a lock.
+
+    `sha256` must be the package's hash as checked by the caller.
+    """
+    folder = extracted_package(package, sha256)
+    if next(folder.glob(f"*/data/aotinductor/{name}/*.so"), None) is None:
+        raise CorruptArtifactError(f"{package}: no compiled library for variant {name}")
+    index = device.index if device.type == "cuda" and device.index is not None else -1
+    return torch._C._aoti.AOTIModelPackageLoader(os.fspath(folder), name, True, 1, index)
+
+
+class CompiledVariant:
+    """One compiled model of a package (one shape variant), bound to its weights by pointer.
+
+    `weights` maps FQNs to tensors with the strides the code was compiled for (`layouts`: the
+    constants stored in another memory order than contiguous); each is checked before binding.
+    A static variant given a `cuda_graph_pool` replays as a CUDA graph (`CudaGraph`).
+    """
+
+    def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
+                 weights: dict[str, torch.Tensor], sha256: str, layouts: dict[str, dict] | None = None,
+                 cuda_graph_pool: GraphPool | None = None) -> None:
+        self.name = entry["name"]
+        self.entry = entry
+        self.inputs = entry["inputs"]
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self._lock = threading.Lock()
+        self._model = open_model(package, sha256, self.name, device)
+        self.constant_fqns = list(self._model.get_constant_fqns())
+        bound = {fqn: bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
+        # Bind before any call: a weight-less model run without constants crashes the process.
+        # user_managed: by pointer, no copy; the caller keeps the tensors alive.
+        self._model.load_constants(bound, False, True, True)
+        self._run = self._model.boxed_run  # takes the list of inputs it is given
+        in_spec, out_spec = self._model.get_call_spec()
+        self.in_spec = pytree.treespec_loads(in_spec)
+        self.out_spec = pytree.treespec_loads(out_spec)
+        self.cuda_graph = None
+        if device.type == "cuda" and cuda_graph_pool is not None and "bucket" in entry:
+            self.cuda_graph = CudaGraph(self.name, self._run, self.inputs, device, cuda_graph_pool)
+
+    def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
+        """The call's leaves in this model's order, or None when its structure differs."""
+        kwargs_spec = self.in_spec.child(1)
+        if set(kwargs) != set(kwargs_spec.context):
+            return None
+        ordered = {k: kwargs[k] for k in kwargs_spec.context}
+        leaves, spec = pytree.tree_flatten_with_path((tuple(args), ordered))
+        if spec != self.in_spec:
+            return None
+        return [(leaf_name(path), leaf) for path, leaf in leaves]
+
+    def accepts(self, leaves: list[tuple[str, Any]]) -> bool:
+        """Whether this model computes these inputs correctly (AOTInductor itself checks nothing)."""
+        for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
+            if isinstance(leaf, torch.Tensor) != ("value" not in expected):
+                return False
+            if not isinstance(leaf, torch.Tensor) and repr(leaf) != expected["value"]:
+                return False
+            if isinstance(leaf, torch.Tensor) and "shape" in expected and list(leaf.shape) != expected["shape"]:
+                return False
+        if "dynamic" in self.entry:
+            tensors = [(list(leaf.shape), e["dims"]) for (_, leaf), e in zip(leaves, self.inputs, strict=True)
+                       if isinstance(leaf, torch.Tensor)]
+            ranges = self.entry["dynamic"]
+            return infer_size([d for _, d in tensors], [s for s, _ in tensors], ranges, ranges["stride"]) is not None
+        return True
+
+    def run(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
+        with self._lock:  # the single-threaded runner is not reentrant
+            return self._run_unlocked(leaves, device)
+
+    def _run_unlocked(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
+        if self.cuda_graph is not None:
+            tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
+            return pytree.tree_unflatten(self.cuda_graph(tensors), self.out_spec)
+        tensors = []
+        for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                # Every input in the dtype the model was compiled for: AOTInductor reads raw memory, so
+                # an int64 timestep from another scheduler would otherwise be read as float bits.
+                want = getattr(torch, expected["dtype"])
+                leaf = leaf.to(device=device, dtype=want)
+                if "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
+                    leaf = torch.empty_strided(expected["shape"], expected["stride"], dtype=want,
+                                               device=device).copy_(leaf)
+                elif expected.get("layout") == "channels_last":
+                    leaf = leaf.contiguous(memory_format=torch.channels_last)
+                elif "layout" in expected:
+                    leaf = leaf.contiguous()
+                tensors.append(leaf)
+        # The runner launches on the current device's stream: make that this model's device.
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            return pytree.tree_unflatten(self._run(tensors), self.out_spec)
+
+    def __repr__(self) -> str:
+        return f"CompiledVariant({self.name}, bucket={self.entry.get('bucket')})"

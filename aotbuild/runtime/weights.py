@@ -1,0 +1,60 @@
+"""An artifact's weights: read from safetensors with the memory layout the compiled code reads
+them with, and checked before they are bound by pointer (AOTInductor checks no strides)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CorruptArtifactError
+
+
+def contiguous_strides(shape: Any) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(list(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def same_strides(tensor: torch.Tensor, stride: list[int]) -> bool:
+    """Whether `tensor` is laid out with `stride` (a dim of size 1 is never stepped over, so its
+    stride does not matter)."""
+    return tensor.ndim == len(stride) and all(
+        size == 1 or got == want for size, got, want in zip(tensor.shape, tensor.stride(), stride, strict=True))
+
+
+def load_weights(path: Path, device: torch.device, layouts: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """The constants of one component by FQN, each with the strides its compiled code reads.
+
+    safetensors stores every tensor contiguous, so a constant compiled for another layout (NHWC
+    convolution weights under channels_last) is stored in its memory order and viewed back here
+    with its recorded shape and strides (`layouts`), with no copy.
+    """
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.fspath(path), device=str(device))
+    for fqn, layout in layouts.items():
+        try:
+            tensors[fqn] = tensors[fqn].as_strided(layout["shape"], layout["stride"])
+        except (KeyError, RuntimeError) as exc:
+            raise CorruptArtifactError(f"{path}: constant {fqn!r} cannot be laid out as the manifest records "
+                                       f"({exc})") from None
+    return tensors
+
+
+def bindable(weights: dict[str, torch.Tensor], fqn: str, layouts: dict[str, dict], package: Path) -> torch.Tensor:
+    """weights[fqn], checked to have the strides the compiled code reads it with: the binding is
+    by pointer, and code compiled for NHWC strides reads a contiguous tensor's memory wrongly."""
+    try:
+        tensor = weights[fqn]
+    except KeyError:
+        raise CorruptArtifactError(f"{package}: the weights file lacks constant {fqn!r}") from None
+    expected = layouts[fqn]["stride"] if fqn in layouts else contiguous_strides(tensor.shape)
+    if not same_strides(tensor, expected):
+        raise CorruptArtifactError(f"{package}: constant {fqn!r} has strides {list(tensor.stride())}; the compiled "
+                                   f"code reads it with strides {expected}")
+    return tensor
