@@ -36,4 +36,4 @@ device-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl -c constraints.txt diffusers importlib_metadata
 
 clean:
-	rm -rf artifacts/*/ .artifacts-staging demo*.png
+	rm -rf artifacts/*/ artifacts/.staging demo*.png

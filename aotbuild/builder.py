@@ -36,11 +36,11 @@ from .manifest import (
     environment,
     read_manifest,
     sha256_file,
-    verify_files,
     write_manifest,
 )
 from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
+from .runtime.cache import check_artifact_files, mark_verified
 from .targets import ShapeBucket, Target
 
 # Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
@@ -101,7 +101,7 @@ def is_fresh(folder: Path, target: Target) -> bool:
     built by this aotbuild, that fits this machine."""
     try:
         manifest = read_manifest(folder)
-        verify_files(folder, manifest)
+        check_artifact_files(folder, manifest)  # intact, at load's cost: weights hashed once
         check_compatible(manifest)
     except AotbuildError:
         return False
@@ -248,6 +248,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(out.rglob("*")) if p.is_file()
     }
+    for entry in components.values():  # just hashed: this machine's first load need not read them again
+        mark_verified(out / entry["weights"], manifest["files"][entry["weights"]]["sha256"])
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
     if stages.cuda:
         manifest["peak_gpu_mib"] = stages.peak_gpu_mib

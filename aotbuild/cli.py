@@ -221,9 +221,10 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str, p
 
 
 @main.command()
-@click.option("--clear", is_flag=True, help="delete them all (each is extracted again at its next load)")
+@click.option("--clear", is_flag=True, help="delete them all (each package is extracted, and each weights file "
+                                            "hashed, again at its next load)")
 def cache(clear: bool) -> None:
-    """Show the cache of extracted packages the CPU runtime loads from ($AOTBUILD_CACHE/packages)."""
+    """Show the cache of extracted packages the runtime loads from ($AOTBUILD_CACHE/packages)."""
     from .runtime import clear_package_cache, package_cache_usage
 
     root, count, size = package_cache_usage()
@@ -263,8 +264,10 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         "components",
     ]
     for name, c in m["components"].items():
+        layouts = len(c["constants"].get("layouts", {}))
         lines.append(f"  {name:<12} {c['package']} + {c['weights']} ({c['constants']['count']} constants, "
-                     f"{_mib(c['constants']['bytes'])}, {c['dtype']})")
+                     f"{_mib(c['constants']['bytes'])}, {c['dtype']}"
+                     + (f", {layouts} stored in memory order" if layouts else "") + ")")
         for v in c["variants"]:
             num = v.get("numerics", {})
             shapes = " ".join(f"{i['path']}=[{', '.join(map(_dim_text, i['shape'] if 'shape' in i else i['dims']))}]"
@@ -286,9 +289,12 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
 
 
 def _gpu_text(env: dict[str, Any]) -> str:
-    """H200 sm9.0 (multi-arch), CUDA 12.8, driver 12.9, Triton 3.5."""
+    """H200 sm9.0 (multi-arch), CUDA 12.8, driver 12.9, Triton 3.5, host code for any CPU of its kind."""
     text = f"{env['gpu_name']} sm{env['gpu_capability']}" + (" (multi-arch)" if env.get("gpu_multi_arch") else "")
-    return text + f", CUDA {env.get('cuda')}, driver {env.get('cuda_driver')}, Triton {env.get('triton')}"
+    text += f", CUDA {env.get('cuda')}, driver {env.get('cuda_driver')}, Triton {env.get('triton')}"
+    if "host_march" in env:
+        text += ", host code for " + (f"-march={env['host_march']}" if env["host_march"] else "any CPU of its kind")
+    return text
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from .errors import CorruptArtifactError, IncompatibleArtifactError
 
 MANIFEST_NAME = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in targets
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: only bound constants are stored, non-contiguous ones in memory order (constants.layouts)
 # x86 CPU capabilities torch reports, weakest first: code built for one runs on any later one.
 CPU_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
 # Inductor compiles CPU code with -march=native: these instruction-set flags of the build machine

@@ -104,6 +104,7 @@ def test_cuda_build_records_gpu_identity_memory_and_graph_check(cuda_built):
     env = m["environment"]
     assert env["gpu_capability"] == "{}.{}".format(*torch.cuda.get_device_capability())
     assert env["cuda_driver"] and env["triton"] and env["gpu_multi_arch"] is False
+    assert env["host_march"] == ""  # host code for the compiler's portable baseline, not -march=native
     assert m["runtime"]["cuda_graphs"] is True
     assert set(m["peak_gpu_mib"]) >= {"load", "capture", "compile", "validate"}
     for component in m["components"].values():
@@ -138,3 +139,20 @@ def test_pipeline_images_match_with_and_without_graphs(cuda_built):
     with_graphs = generate(load_pipeline(built.folder), bucket, steps=3)
     without = generate(load_pipeline(built.folder, cuda_graphs=False), bucket, steps=3)
     assert abs(with_graphs - without).max() <= 1 / 255
+
+
+@CUDA
+def test_cuda_variants_load_in_place_from_the_package_cache(cuda_built, tmp_path):
+    """No archive is extracted into $TMPDIR (AOTInductor's package loader would, per process)."""
+    import os
+    import subprocess
+    import sys
+
+    built, _ = cuda_built
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = "import sys; from aotbuild.runtime import load_components; load_components(sys.argv[1])"
+    result = subprocess.run([sys.executable, "-c", script, str(built.folder)], capture_output=True, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert list(tmp.iterdir()) == []

@@ -184,3 +184,109 @@ def test_model_card_lists_bench_figures():
              "bench": {"first_image_s": 1.5, "steady_step_s": 0.05}}
     card = model_card("org/x", {"variants": [entry]})
     assert "base_model:\n- org/model" in card and "| H100 sm9.0 |" in card and "| 1.5 | 0.05 |" in card
+
+
+HUB_SOURCE_TARGET = """
+name = "cpu-hub-source"
+pipeline = "StableDiffusionXLPipeline"
+source = "{repo}"
+revision = "{revision}"
+device = "cpu"
+dtype = "bfloat16"
+guidance_scale = 5.0
+
+[[shapes]]
+batch = 1
+height = 64
+width = 64
+
+[components]
+vae_decoder = {{}}
+"""
+# The compiled bfloat16 decoder against eager bfloat16, both from the same fp16 files: measured ~4e-3.
+BF16_IMAGE_ATOL = 2e-2
+
+
+def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_target, tmp_path):
+    """The path a user takes: the pipeline is a Hub repo pinned to a revision. A bfloat16 target
+    downloads the repo's fp16 variant files only; loading the artifact fetches the components it did
+    not compile from that same revision (never the compiled one's weights), then works offline."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from huggingface_hub import HfApi
+
+    from aotbuild.builder import build
+    from aotbuild.targets import load_target
+
+    from .conftest import eager_pipeline
+
+    repo, folder = "aotbuild-test/tiny-sdxl-pipeline", tmp_path / "pipeline"
+    eager = eager_pipeline(tiny_target)
+    eager.save_pretrained(folder)
+    eager.to(torch.float16).save_pretrained(folder, variant="fp16")  # as SDXL's repo has both
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.create_repo(repo)
+    revision = api.upload_folder(repo_id=repo, folder_path=folder).oid
+    api.upload_file(path_or_fileobj=b"later", path_in_repo="LATER.md", repo_id=repo)  # main moves on
+    target_file = tmp_path / "cpu-hub-source.toml"
+    target_file.write_text(HUB_SOURCE_TARGET.format(repo=repo, revision=revision))
+
+    result = build(load_target(target_file), tmp_path / "artifacts", progress=lambda stage, message: None)
+    weights = {r["path"].split(f"/resolve/{revision}/", 1)[-1] for r in hub.requests
+               if r["method"] == "GET" and r["path"].endswith(".safetensors")}
+    assert weights and all(".fp16." in path for path in weights), weights  # half the bytes of the full files
+    assert {"unet/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.fp16.safetensors"} <= weights
+    assert result.manifest["source"] == {"id": repo, "revision": revision, "seed": None}
+
+    hub.requests.clear()
+    out = tmp_path / "image.npy"
+    script = ("import sys, numpy, torch, aotbuild; p = aotbuild.load_pipeline(sys.argv[1]); "
+              "numpy.save(sys.argv[2], p('a red fox in the snow', num_inference_steps=2, height=64, width=64, "
+              "guidance_scale=5.0, output_type='np', generator=torch.Generator('cpu').manual_seed(0)).images)")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "fleet-hf-home")}  # a fresh machine's empty HF cache
+    loaded = subprocess.run([sys.executable, "-c", script, str(result.folder), str(out)], capture_output=True,
+                            text=True, env=env)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    fetched = [r["path"] for r in hub.requests if r["method"] == "GET" and r["path"].endswith(".safetensors")]
+    assert fetched and all(f"/resolve/{revision}/" in p and ".fp16." in p for p in fetched)
+    assert not [p for p in fetched if "/vae/" in p]  # the compiled component's weights are never downloaded
+
+    reference = StableDiffusionXLPipeline.from_pretrained(folder, variant="fp16", torch_dtype=torch.bfloat16)
+    reference.set_progress_bar_config(disable=True)
+    expected = reference("a red fox in the snow", num_inference_steps=2, height=64, width=64, guidance_scale=5.0,
+                         output_type="np", generator=torch.Generator("cpu").manual_seed(0)).images
+    online = np.load(out)
+    np.testing.assert_allclose(online, expected, atol=BF16_IMAGE_ATOL, rtol=0)
+
+    hub.stop()
+    offline = subprocess.run([sys.executable, "-c", script, str(result.folder), str(out)], capture_output=True,
+                             text=True, env={**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    np.testing.assert_array_equal(np.load(out), online)
+
+
+def test_hub_weights_are_trusted_by_their_blob_name(hub, built):
+    from aotbuild.manifest import read_manifest
+    from aotbuild.runtime import check_artifact_files
+
+    push(built.folder, REPO)
+    found = resolve(REPO, verify=False)
+    sha = built.manifest["files"]["unet.safetensors"]["sha256"]
+    assert (found.folder / "unet.safetensors").resolve().name == sha  # huggingface_hub's blob naming
+    hashed = check_artifact_files(found.folder, read_manifest(found.folder))
+    assert {"unet.pt2", "vae_decoder.pt2"} <= set(hashed)  # native code: hashed on every load
+    assert not {"unet.safetensors", "vae_decoder.safetensors"} & set(hashed)
+
+
+def test_index_paths_outside_the_repo_are_refused_before_any_download(hub, built):
+    from huggingface_hub import HfApi
+
+    push(built.folder, REPO)
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    index = json.loads(Path(api.hf_hub_download(REPO, "index.json")).read_text())
+    index["variants"][0]["path"] = "../cpu-tiny-sdxl"
+    api.upload_file(path_or_fileobj=json.dumps(index).encode(), path_in_repo="index.json", repo_id=REPO)
+    hub.requests.clear()
+    with pytest.raises(HubError, match=r"index.json names an invalid variant path '\.\./cpu-tiny-sdxl'"):
+        resolve(REPO)
+    assert [r["path"].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r["path"]] == ["index.json"]

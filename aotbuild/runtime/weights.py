@@ -36,6 +36,12 @@ def load_weights(path: Path, device: torch.device, layouts: dict[str, dict]) -> 
     """
     from safetensors.torch import load_file
 
+    if device.type == "cpu":
+        # safetensors maps the file and its pages are read when the first call touches them, in
+        # the order the code reads them: ask the kernel to read the whole file ahead, in the
+        # background, while the rest of the pipeline loads.
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
     tensors = load_file(os.fspath(path), device=str(device))
     for fqn, layout in layouts.items():
         try:
