@@ -399,7 +399,8 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
         "package": package_file, "weights": weights_file,
         "dtype": dtype,
         "custom_ops": custom_ops,
-        "config": dict(module.config),
+        # Less the folder it was read from: a machine path (an HF cache, a local checkout).
+        "config": {k: v for k, v in module.config.items() if k != "_name_or_path"},
         "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},
