@@ -254,7 +254,14 @@ def _worker(args: argparse.Namespace) -> None:
     if args.case == "compile-cached":
         torch.compiler.load_cache_artifacts(Path(args.mega_cache).read_bytes())
     artifact = Path(args.artifacts) / target.name
-    import diffusers  # noqa: F401  (imported before the clock: load_s is loading, not importing)
+    # Imported before the clock, the pipeline's model classes too (transformers imports them lazily,
+    # seconds for CLIP): load_s is loading, not importing.
+    import diffusers  # noqa: F401
+
+    from .sources import component_classes, local_folder
+
+    if (source_folder := local_folder(target.source, target.base_dir)) is not None:
+        component_classes(source_folder)
 
     rss_before, load_start = _rss_mib(), time.perf_counter()
     backend = "aot" if args.case.startswith("aot") else "compile" if args.case == "compile-cached" else args.case

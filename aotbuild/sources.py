@@ -122,6 +122,13 @@ def _weights_files(files: list[str], component: str, half: bool) -> list[str]:
     return fp16 if fp16 and (half or len(fp16) == len(weights)) else [f for f in weights if f not in fp16]
 
 
+def component_classes(folder: Path) -> dict[str, type]:
+    """The class of each component model_index.json names (importing its module)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    return {name: _component_class(*entry) for name, entry in index.items()
+            if not name.startswith("_") and isinstance(entry, list) and entry[0] is not None}
+
+
 def _component_class(library: str, class_name: str) -> type:
     try:
         return getattr(importlib.import_module(library), class_name)
@@ -172,14 +179,10 @@ def load_components(
     """
     import torch
 
-    index = json.loads((folder / "model_index.json").read_text())
     components: dict[str, Any] = {}
-    for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
-            continue
+    for name, cls in component_classes(folder).items():
         if name in skip:
             continue
-        cls = _component_class(*entry)
         sub = folder / name
         if seed is not None:
             obj = _random_component(cls, sub, seed)

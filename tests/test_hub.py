@@ -292,4 +292,4 @@ def test_index_paths_outside_the_repo_are_refused_before_any_download(hub, built
     hub.requests.clear()
     with pytest.raises(HubError, match=r"index.json names an invalid variant path '\.\./cpu-tiny-sdxl'"):
         resolve(REPO)
-    assert [r["path"].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r["path"]] == ["index.json"]
+    assert {r["path"].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r["path"]} == {"index.json"}
