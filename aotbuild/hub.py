@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AotbuildError, CorruptArtifactError, HubError, IncompatibleArtifactError, NoMatchingVariantError
-from .manifest import MANIFEST_NAME, check_compatible, environment, read_manifest, verify_files
+from .manifest import MANIFEST_NAME, check_compatible, check_relative_path, environment, read_manifest, verify_files
 
 INDEX_NAME = "index.json"
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")  # target/variant, nothing else
@@ -220,6 +220,17 @@ def _describe(op: Any) -> str:
     return f"add {op.path_in_repo} ({op.upload_info.size} bytes)"
 
 
+def _check_variant_path(repo_id: str, path: Any) -> None:
+    """An index entry's path is `target/variant` inside the repo, checked before anything is downloaded."""
+    try:
+        check_relative_path(path, "index.json names a variant")
+        safe = bool(_SAFE_PATH.fullmatch(path))
+    except CorruptArtifactError:
+        safe = False
+    if not safe:
+        raise HubError(f"{repo_id}: index.json names an invalid variant path {path!r}")
+
+
 @dataclass
 class Resolved:
     """A Hub variant downloaded into the HF cache."""
@@ -287,9 +298,7 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
         index_file = hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir, endpoint=endpoint)
         entry = choose_variant(_read_index(Path(index_file)), device=device, dtype=dtype, variant=variant,
                                pipeline=pipeline)
-        if not isinstance(entry.get("path"), str) or not _SAFE_PATH.fullmatch(entry["path"]) \
-                or {".", ".."} & set(entry["path"].split("/")):
-            raise HubError(f"{repo_id}: index.json names an invalid variant path {entry.get('path')!r}")
+        _check_variant_path(repo_id, entry.get("path"))
         snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, endpoint=endpoint,
                                           allow_patterns=[f"{entry['path']}/*", f"{entry['path']}/**"]))
     except AotbuildError:

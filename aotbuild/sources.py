@@ -187,8 +187,8 @@ def load_components(
         if seed is not None:
             obj = _random_component(cls, sub, seed)
         elif issubclass(cls, torch.nn.Module):
-            files = [f"{name}/{p.name}" for p in sub.glob("*.safetensors")]
-            fp16 = bool(files) and all(FP16_FILE.search(f) for f in _weights_files(files, name, half_files))
+            chosen = _weights_files([f"{name}/{p.name}" for p in sub.glob("*.safetensors")], name, half_files)
+            fp16 = bool(chosen) and FP16_FILE.search(chosen[0]) is not None  # all variant files or none
             obj = cls.from_pretrained(sub, torch_dtype=dtype, variant="fp16" if fp16 else None)
         else:  # tokenizers, schedulers
             obj = cls.from_pretrained(sub)
