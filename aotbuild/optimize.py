@@ -110,6 +110,16 @@ def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     return {"backend": value}
 
 
+# What diffusers' fuse_qkv_projections concatenates into each fused projection, in row order (self-
+# attention: to_qkv; cross-attention: to_kv; SD3/Flux joint attention: to_added_qkv). Weights of another
+# checkpoint, and LoRA updates of the members, are placed by these rows.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "to_qkv": ("to_q", "to_k", "to_v"),
+    "to_kv": ("to_k", "to_v"),
+    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+}
+
+
 @register("fuse_qkv", validate=_bool("fuse_qkv"))
 def apply_fuse_qkv(modules: Modules, value: bool, device: str) -> dict[str, Any]:
     """Fuse each attention's q/k/v projections into one linear (diffusers' fuse_qkv_projections):

@@ -63,6 +63,7 @@ class ComponentSpec:
         output_class: dotted path of the `return_dict=True` output type, holding one `sample`.
         read_attributes: dotted attributes the pipeline reads besides `config`, `dtype`, `device`;
             the runtime's light module keeps their values.
+        lora: diffusers loads LoRAs into it (the denoiser): the compiled stand-in takes the LoRA API.
     """
 
     name: str
@@ -72,6 +73,7 @@ class ComponentSpec:
     call_inputs: Callable[[tuple, dict], CallInputs]
     output_class: str
     read_attributes: tuple[str, ...] = ()
+    lora: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ UNET = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.unets.unet_2d_condition.UNet2DConditionOutput",
     read_attributes=("add_embedding.linear_1.in_features",),
+    lora=True,
 )
 
 TRANSFORMER = ComponentSpec(
@@ -127,6 +130,7 @@ TRANSFORMER = ComponentSpec(
     export_module=_same_module,
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
+    lora=True,
 )
 
 VAE_DECODER = ComponentSpec(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 import warnings
 from types import SimpleNamespace
 from typing import Any
@@ -11,10 +12,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ShapeNotSupportedError
+from ..errors import AotbuildError, ShapeNotSupportedError
 from ..manifest import DTYPES
 from ..pipelines import pipeline_spec
+from .lora import pop_scale
 from .variant import CompiledVariant, leaf_name
+from .weights import same_strides
 
 
 class Config(dict):
@@ -29,16 +32,24 @@ class Config(dict):
 
 class CompiledComponent(torch.nn.Module):
     """Stands in for a pipeline module: keeps its `config`, `dtype`, `device` and the attributes the
-    pipeline reads, and routes calls to the compiled variant matching the input shapes."""
+    pipeline reads, and routes calls to the compiled variant matching the input shapes.
+
+    Its weights are data: `rebind` binds other tensors for some constants, and a denoiser takes
+    diffusers' LoRA API (`lora.lora_component_class`). One lock, shared with its variants, orders
+    calls and weight switches: a switch waits for a running call and the next call sees all of it.
+    """
 
     def __init__(self, name: str, entry: dict[str, Any], variants: list[CompiledVariant],
                  weights: dict[str, torch.Tensor], device: torch.device,
-                 eager: torch.nn.Module | None = None) -> None:
+                 eager: torch.nn.Module | None = None, lock: threading.RLock | None = None) -> None:
         super().__init__()
         self.component_name = name
         self.config = Config(entry["config"])
         self.variants = variants
-        self._weights = weights  # bound by pointer (user_managed): must live as long as the models
+        self._weights = weights  # the base weights, bound by pointer: must live as long as the models
+        self._lock = lock or threading.RLock()
+        self._lora = None  # lora.LoraState, made by the first LoRA call
+        self._leaf_paths = {leaf["path"] for v in variants for leaf in v.inputs}
         self._dtype = DTYPES[entry["dtype"]]
         self._device = device
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
@@ -53,6 +64,37 @@ class CompiledComponent(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self._dtype
 
+    def _apply(self, fn: Any, recurse: bool = True) -> CompiledComponent:
+        """`.to()` / `.half()` move nothing: the compiled code runs where it was loaded, on the
+        weights bound there (and the LoRA shell's weights are meta)."""
+        return self
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The base constants by FQN (the artifact's, or another checkpoint's), as bound at load."""
+        return self._weights
+
+    def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Bind `tensors` (by FQN, each like the base constant it replaces: shape, dtype, strides,
+        device) for the next call, in every variant at once."""
+        for fqn, tensor in tensors.items():
+            base = self._weights.get(fqn)
+            if base is None or not _same_layout(tensor, base):
+                raise AotbuildError(f"{self.component_name}: cannot bind {fqn!r}: the compiled code reads "
+                                    + (f"{list(base.shape)} {base.dtype} with strides {list(base.stride())} on "
+                                       f"{base.device}" if base is not None else "no such constant"))
+        with self._lock:
+            for variant in self.variants:
+                variant.rebind(tensors)
+
+    def _lora_state(self) -> Any:
+        from .lora import LoraState
+
+        if self._lora is None:
+            self._lora = LoraState(self.config, self._dtype, self._device, self._weights, self.rebind)
+            self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
+        return self._lora
+
     def cache_context(self, name: str) -> contextlib.AbstractContextManager:
         """diffusers' CacheMixin hook (Flux enters it around each call); nothing to cache here."""
         return contextlib.nullcontext()
@@ -62,7 +104,14 @@ class CompiledComponent(torch.nn.Module):
         return self._device
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         return_dict = kwargs.pop("return_dict", True)
+        lora_scale = pop_scale(kwargs, self._leaf_paths)  # without adapters it scales nothing, as in diffusers
+        if self._lora is not None:
+            self._lora.sync(lora_scale)
         call_args, call_kwargs = self._spec.call_inputs(args, kwargs)
         for variant in self.variants:
             leaves = variant.flatten(call_args, call_kwargs)
@@ -73,6 +122,9 @@ class CompiledComponent(torch.nn.Module):
         else:
             if not self._eager:
                 raise ShapeNotSupportedError(self._coverage_message(call_args, call_kwargs))
+            if self._lora is not None and self._lora.active:
+                raise ShapeNotSupportedError(f"{self._coverage_message(call_args, call_kwargs)}; the eager fallback "
+                                             f"runs without the LoRA adapters loaded into the compiled model")
             warnings.warn(f"aotbuild: {self._coverage_message(call_args, call_kwargs)}; running eager", stacklevel=2)
             self.last_variant = "eager"
             return getattr(self._eager[0], self._spec.method)(*args, return_dict=return_dict, **kwargs)
@@ -112,3 +164,8 @@ def _set_dotted(root: Any, dotted: str, value: Any) -> None:
             setattr(node, part, SimpleNamespace())
         node = getattr(node, part)
     setattr(node, leaf, value)
+
+
+def _same_layout(tensor: torch.Tensor, like: torch.Tensor) -> bool:
+    return (tensor.shape == like.shape and tensor.dtype == like.dtype and tensor.device == like.device
+            and same_strides(tensor, list(like.stride())))

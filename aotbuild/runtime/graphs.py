@@ -41,6 +41,10 @@ class CudaGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._outputs: list[torch.Tensor] = []
 
+    def reset(self) -> None:
+        """Forget the capture (it holds the pointers of the constants bound then)."""
+        self._graph, self._outputs = None, []
+
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         with torch.cuda.device(self._device):  # replay launches on the current device's stream
             for static, tensor in zip(self._static, tensors, strict=True):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,10 @@ from ..errors import AotbuildError, SourceError
 from ..manifest import DTYPES, check_compatible, read_manifest, sha256_file
 from ..pipelines import pipeline_spec
 from .cache import check_artifact_files
+from .checkpoint import checkpoint_constants, module_tensors
 from .component import CompiledComponent
 from .graphs import GraphPool
+from .lora import lora_component_class
 from .variant import CompiledVariant
 from .weights import load_weights
 
@@ -39,6 +43,7 @@ def _import_custom_ops(namespaces: list[str]) -> None:
 def load_components(folder: str | os.PathLike, *, device: str | torch.device | None = None,
                     dtype: str | None = None, eager: dict[str, torch.nn.Module] | None = None,
                     verify: bool = True, cuda_graphs: bool | None = None,
+                    weights: dict[str, torch.nn.Module] | None = None,
                     ) -> tuple[dict[str, Any], dict[str, CompiledComponent]]:
     """Check an artifact and load its compiled components.
 
@@ -50,12 +55,17 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         verify: check the files first (`cache.check_artifact_files`: packages hashed, weights
             hashed once per file); False skips that, for tests that alter an artifact on purpose.
         cuda_graphs: replay static buckets as CUDA graphs; None takes the target's `cuda_graphs`.
+        weights: modules by component name (the pipeline attribute's module, e.g. the VAE for
+            `vae_decoder`) whose weights to bind instead of the artifact's: the recorded passes are
+            applied to them (`checkpoint.checkpoint_constants`); tensors that need no change are
+            bound by pointer.
 
     Returns:
         (manifest, {pipeline attribute: CompiledComponent}).
 
     Raises:
-        IncompatibleArtifactError, CorruptArtifactError.
+        IncompatibleArtifactError (also: a `weights` module of another architecture),
+        CorruptArtifactError.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -75,16 +85,26 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
                             hint="load it with cuda_graphs=False")
     modules = {}
     pool = GraphPool(device) if cuda_graphs else None
+    spec = pipeline_spec(manifest["target"]["pipeline"])
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         layouts = entry["constants"].get("layouts", {})
-        weights = load_weights(folder / entry["weights"], device, layouts)
+        source = (weights or {}).get(name)
+        if source is None:
+            tensors = load_weights(folder / entry["weights"], device, layouts)
+        else:  # the artifact's file gives the layouts only: mapped, never read
+            tensors = checkpoint_constants(
+                name, module_tensors(spec.component(name).export_module(source)),
+                load_weights(folder / entry["weights"], torch.device("cpu"), layouts, read_ahead=False),
+                DTYPES[entry["dtype"]], manifest["target"]["optimize"].get("quantize"), device)
         package = folder / entry["package"]
         sha256 = hashed.get(entry["package"]) or sha256_file(package)  # the cache is keyed by checked hashes
-        variants = [CompiledVariant(package, v, device, weights, sha256, layouts, pool) for v in entry["variants"]]
-        modules[entry["attribute"]] = CompiledComponent(
-            name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants, weights, device,
-            eager=(eager or {}).get(name))
+        lock = threading.RLock()
+        variants = [CompiledVariant(package, v, device, tensors, sha256, layouts, pool, lock)
+                    for v in entry["variants"]]
+        cls = lora_component_class(CompiledComponent) if spec.component(name).lora else CompiledComponent
+        modules[entry["attribute"]] = cls(name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants,
+                                          tensors, device, eager=(eager or {}).get(name), lock=lock)
     return manifest, modules
 
 
@@ -101,34 +121,78 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
     return Path(artifact), None
 
 
-def apply(pipe: Any, artifact: str | os.PathLike, *, eager_fallback: bool = False,
+WEIGHTS_CHOICES = ("pipeline", "artifact")
+
+
+def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", eager_fallback: bool = False,
           cuda_graphs: bool | None = None) -> Any:
     """Swap an artifact's compiled components into a pipeline the user already has.
 
-    The pipeline's original modules of those components are released (unless `eager_fallback`,
-    which keeps them to run shapes no variant covers, with a warning). `cuda_graphs` as in
-    `load_components`.
+    Args:
+        weights: "pipeline" (default) runs the pipeline's own weights: the artifact's recorded
+            passes (dtype, fused QKV, layout, quantization) are applied to them and they are
+            bound, so a fine-tuned checkpoint or a fused LoRA gives the images eager gives.
+            "artifact" binds the artifact's weights files instead.
+        eager_fallback: keep the original modules to run shapes no variant covers (with a
+            warning); otherwise the pipeline drops them.
+        cuda_graphs: as in `load_components`.
 
     Returns:
         The same pipeline, modified in place.
+
+    Raises:
+        IncompatibleArtifactError: a module's architecture differs from the artifact's (the
+            first differing tensor is named).
+        AotbuildError: LoRA adapters loaded and not fused (load them after apply instead).
     """
+    if weights not in WEIGHTS_CHOICES:
+        raise AotbuildError(f"weights={weights!r}; choose from {', '.join(map(repr, WEIGHTS_CHOICES))}",
+                            hint="another checkpoint: aotbuild.load_pipeline(artifact, weights=SOURCE)")
     device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
     artifact, _ = artifact_folder(artifact, device=device.type if device is not None else None,
                                   pipeline=type(pipe).__name__)
     manifest = read_manifest(artifact)
     if type(pipe).__name__ != manifest["target"]["pipeline"]:
         raise AotbuildError(f"artifact is for {manifest['target']['pipeline']}, not {type(pipe).__name__}")
-    eager = None
-    if eager_fallback:
-        eager = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
-    _, modules = load_components(artifact, device=device, eager=eager, cuda_graphs=cuda_graphs)
+    originals = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
+    for name, module in originals.items():
+        if isinstance(module, CompiledComponent):
+            raise AotbuildError(f"the pipeline's {name} is compiled by aotbuild already")
+        if weights == "pipeline":
+            _check_lora_fused(manifest["components"][name]["attribute"], module)
+    _, modules = load_components(artifact, device=device, eager=originals if eager_fallback else None,
+                                 cuda_graphs=cuda_graphs, weights=originals if weights == "pipeline" else None)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     return pipe
 
 
+def _check_lora_fused(attribute: str, module: torch.nn.Module) -> None:
+    """A LoRA counts in the weights only when it is fused into them (peft layers keep the others
+    beside the weights, applied at each call)."""
+    outside, fused = set(), set()
+    for layer in module.modules():
+        if not (hasattr(layer, "merged_adapters") and hasattr(layer, "lora_A")):  # a peft LoRA layer
+            continue
+        fused.update(layer.merged_adapters)
+        if layer.disable_adapters and layer.merged_adapters:  # peft unmerges these at the next call
+            outside.update(layer.merged_adapters)
+        elif not layer.disable_adapters and not layer.merged_adapters:
+            outside.update(a for a in layer.active_adapters if a in layer.lora_A)
+    if outside:
+        raise AotbuildError(f"pipe.{attribute} has LoRA adapters that are not fused into its weights "
+                            f"({', '.join(sorted(outside))}); aotbuild binds the weights themselves",
+                            hint="call aotbuild.apply() first and load the LoRAs after (the compiled pipeline "
+                                 "takes diffusers' LoRA API), or fuse them first: pipe.fuse_lora()")
+    if fused:
+        warnings.warn(f"aotbuild: the LoRA adapters fused into pipe.{attribute} ({', '.join(sorted(fused))}) are "
+                      f"part of the compiled weights now: unfuse_lora() cannot take them out; to switch them, "
+                      f"unfuse before apply() and load them after", stacklevel=3)
+
+
 def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
-                  cuda_graphs: bool | None = None, source: str | os.PathLike | None = None) -> Any:
+                  cuda_graphs: bool | None = None, source: str | os.PathLike | None = None,
+                  weights: str | os.PathLike | None = None) -> Any:
     """Build the artifact's pipeline with its compiled components plugged in.
 
     Args:
@@ -137,25 +201,57 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
         source: where the components that were not compiled come from, instead of the source the
             artifact records: a local diffusers folder or a Hub id (`org/name[@revision]`).
             Needed for an artifact built from a local folder, whose path it does not record.
+        weights: another checkpoint of the artifact's architecture (a local diffusers folder or a
+            Hub id `org/name[@revision]`): the compiled components run its weights (the recorded
+            passes applied at load) and, unless `source` says otherwise, the other components
+            come from it too.
 
-    The original weights of compiled components are never loaded (nor downloaded); the other
-    components come from the source (the Hub at the pinned revision, a local folder, or the
-    artifact's own config set with seeded random weights).
+    Without `weights`, the original weights of compiled components are never loaded (nor
+    downloaded); the other components come from the source (the Hub at the pinned revision, a
+    local folder, or the artifact's own config set with seeded random weights).
 
     Raises:
         IncompatibleArtifactError, CorruptArtifactError, SourceError.
     """
-    from ..sources import assemble_pipeline
+    from ..sources import assemble_pipeline, component_classes
     from ..sources import load_components as load_source_components
 
     folder, _ = artifact_folder(artifact, device=device, dtype=dtype)
-    manifest, modules = load_components(folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+    manifest = read_manifest(folder)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])
+    compiled = {entry["attribute"] for entry in manifest["components"].values()}
+    checkpoint = None
+    if weights is not None:
+        weights_folder = _resolve_source(weights, manifest, skip=set() if source is None else None)
+        others_in_it = set(component_classes(weights_folder)) - compiled
+        checkpoint = load_source_components(weights_folder, seed=None, skip=others_in_it,
+                                            dtype=DTYPES[target["dtype"]])
+        source = weights if source is None else source
+    manifest, modules = load_components(
+        folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+        weights={name: checkpoint[entry["attribute"]] for name, entry in manifest["components"].items()}
+        if checkpoint is not None else None)
+    del checkpoint  # what was not bound by pointer goes now
     source_folder, seed = _source_folder(manifest, folder, source, skip=set(modules))
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
+
+
+def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str] | None) -> Path:
+    """A user's source: a local diffusers folder, or a Hub id with an optional @revision,
+    downloaded without the `skip` components' weights (None: without the compiled ones)."""
+    from ..sources import resolve_folder
+
+    text = os.fspath(text)
+    if Path(text).expanduser().is_file():
+        raise SourceError(f"{text} is a single file; weights= takes a diffusers folder or a Hub id",
+                          hint="convert it first, e.g. diffusers' from_single_file(...).save_pretrained(folder)")
+    if skip is None:
+        skip = {entry["attribute"] for entry in manifest["components"].values()}
+    repo, _, revision = (text, "", "") if Path(text).expanduser().exists() else text.partition("@")
+    return resolve_folder(repo, revision or None, Path.cwd(), skip, dtype=manifest["target"]["dtype"])
 
 
 def _source_folder(manifest: dict[str, Any], artifact: Path, source: str | os.PathLike | None,
@@ -166,9 +262,7 @@ def _source_folder(manifest: dict[str, Any], artifact: Path, source: str | os.Pa
     target, recorded = manifest["target"], manifest["source"]
     dtype = target["dtype"]
     if source is not None:
-        text = os.fspath(source)
-        repo, _, revision = (text, "", "") if Path(text).expanduser().exists() else text.partition("@")
-        return resolve_folder(repo, revision or None, Path.cwd(), skip, dtype=dtype), None
+        return _resolve_source(source, manifest, skip), None
     if is_random(recorded["id"]):
         return artifact / SOURCE_DIRNAME, recorded["seed"]
     if is_local_record(recorded["id"]):

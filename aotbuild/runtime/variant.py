@@ -71,16 +71,17 @@ class CompiledVariant:
 
     def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
                  weights: dict[str, torch.Tensor], sha256: str, layouts: dict[str, dict] | None = None,
-                 cuda_graph_pool: GraphPool | None = None) -> None:
+                 cuda_graph_pool: GraphPool | None = None, lock: threading.RLock | None = None) -> None:
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
-        self._lock = threading.Lock()
+        self._lock = lock or threading.RLock()  # shared by a component's variants: see CompiledComponent
         self._model = open_model(package, sha256, self.name, device)
         self.constant_fqns = list(self._model.get_constant_fqns())
+        self._fqns = set(self.constant_fqns)
         bound = {fqn: bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
         # Bind before any call: a weight-less model run without constants crashes the process.
         # user_managed: by pointer, no copy; the caller keeps the tensors alive.
@@ -92,6 +93,20 @@ class CompiledVariant:
         self.cuda_graph = None
         if device.type == "cuda" and cuda_graph_pool is not None and "bucket" in entry:
             self.cuda_graph = CudaGraph(self.name, self._run, self.inputs, device, cuda_graph_pool)
+
+    def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Bind these constants (a subset, by FQN) in place of the ones bound now, by pointer; the
+        next call reads them. A captured CUDA graph recorded the old pointers: captured again.
+
+        torch 2.13 keeps a reference to every tensor ever bound (pytorch#194480): callers rebind a
+        constant to few distinct tensors (a base and one merge buffer), not a new one each time.
+        """
+        mine = {fqn: tensor for fqn, tensor in tensors.items() if fqn in self._fqns}
+        if mine:
+            with self._lock:
+                self._model.load_constants(mine, False, False, True)
+                if self.cuda_graph is not None:
+                    self.cuda_graph.reset()
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""

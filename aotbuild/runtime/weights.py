@@ -27,16 +27,18 @@ def same_strides(tensor: torch.Tensor, stride: list[int]) -> bool:
         size == 1 or got == want for size, got, want in zip(tensor.shape, tensor.stride(), stride, strict=True))
 
 
-def load_weights(path: Path, device: torch.device, layouts: dict[str, dict]) -> dict[str, torch.Tensor]:
+def load_weights(path: Path, device: torch.device, layouts: dict[str, dict],
+                 read_ahead: bool = True) -> dict[str, torch.Tensor]:
     """The constants of one component by FQN, each with the strides its compiled code reads.
 
     safetensors stores every tensor contiguous, so a constant compiled for another layout (NHWC
     convolution weights under channels_last) is stored in its memory order and viewed back here
-    with its recorded shape and strides (`layouts`), with no copy.
+    with its recorded shape and strides (`layouts`), with no copy. `read_ahead=False`: the values
+    will not be read (another checkpoint's are bound), only the layouts.
     """
     from safetensors.torch import load_file
 
-    if device.type == "cpu":
+    if device.type == "cpu" and read_ahead:
         # safetensors maps the file and its pages are read when the first call touches them, in
         # the order the code reads them: ask the kernel to read the whole file ahead, in the
         # background, while the rest of the pipeline loads.

@@ -1,0 +1,141 @@
+"""Any checkpoint of an artifact's architecture in the form its compiled code binds.
+
+Compiled code depends on the architecture, the recipe and the shapes, never on weight values: the
+artifact's recorded passes are replayed on a module's tensors (dtype, fused QKV rows, memory
+layout, int8 quantization with the recorded scheme), each checked against the constant the code
+was compiled for (name, shape, dtype, strides). Tensors that need no change are bound as they are,
+by pointer: a checkpoint already in the artifact's dtype costs no copy.
+
+Plain torch only: the int8 scheme is torchao's, re-implemented (and tested bit-exact against
+torchao), so a serving machine needs no torchao.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import IncompatibleArtifactError
+from ..optimize import FUSED_PROJECTIONS
+from .weights import same_strides
+
+QUANTIZED = ".parametrizations.weight.original"  # torchao's unwrapped subclass: original0 data, original1 scale
+
+
+def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's `Int8Tensor.from_hp(weight, PerRow())` (the int8_dynamic and int8_weight_only
+    recipes): symmetric, one float32 scale per output row, values in [-128, 127]. The scale is
+    computed in the weight's dtype, as torchao does, so a bfloat16 build gets its very scales."""
+    flat = weight.reshape(weight.shape[0], -1)
+    amax = torch.maximum(-flat.amin(dim=1, keepdim=True).clamp(max=0), flat.amax(dim=1, keepdim=True).clamp(min=0))
+    scale = (amax / 127.5).clamp(min=torch.finfo(torch.float32).eps).to(torch.float32)
+    data = torch.clamp(torch.round(flat * (1.0 / scale)), -128, 127).to(torch.int8)
+    return data.reshape(weight.shape), scale
+
+
+def dequantize_int8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.reshape(data.shape[0], -1).to(torch.float32) * scale).to(dtype).reshape(data.shape)
+
+
+# Quant recipes whose weights can be made again from float weights outside torchao.
+REQUANTIZERS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
+    "int8_dynamic": int8_per_row,
+    "int8_weight_only": int8_per_row,
+}
+
+
+def requantizer(recipe: str | None, component: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    try:
+        return REQUANTIZERS[recipe]
+    except KeyError:
+        raise IncompatibleArtifactError(
+            f"{component}: this artifact's weights are quantized with the {recipe!r} recipe, which aotbuild can "
+            f"only build, not redo at load: other weights and LoRAs need {' or '.join(REQUANTIZERS)}",
+            hint="build the artifact from these weights instead") from None
+
+
+def fused_members(fqn: str) -> tuple[str, tuple[str, ...], str] | None:
+    """(attention path, member projections in row order, 'weight' or 'bias') when `fqn` is a
+    projection fuse_qkv made (`...attn1.to_qkv.weight`), else None."""
+    parts = fqn.rsplit(".", 2)
+    if len(parts) == 3 and parts[1] in FUSED_PROJECTIONS:
+        return parts[0], FUSED_PROJECTIONS[parts[1]], parts[2]
+    return None
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers by name, with LoRA layers (peft) seen through to the
+    weights they wrap: a fused LoRA lives in those weights."""
+    tensors = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if ".lora_" in name or "lora_magnitude_vector" in name:
+            continue
+        tensors[name.replace(".base_layer.", ".")] = tensor.detach()
+    return tensors
+
+
+def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                         dtype: torch.dtype, recipe: str | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """The constants of `expected` (the artifact's, with the dtypes, shapes and strides its code
+    reads; left unread on the host) made on `device` from another checkpoint's `tensors` (a
+    module's, see `module_tensors`); `dtype` and `recipe` are the component's recorded dtype and
+    quant recipe.
+
+    Constants that are not weights (tensors export lifted from the code) keep the artifact's.
+
+    Raises:
+        IncompatibleArtifactError: a tensor is missing, has another shape, or the checkpoint has
+            tensors the compiled code does not read (another architecture): never silent.
+    """
+    used: set[str] = set()
+
+    def source(name: str) -> torch.Tensor:
+        if name in tensors:
+            used.add(name)
+            return tensors[name]
+        fused = fused_members(name)
+        if fused is not None:
+            path, members, kind = fused
+            return torch.cat([source(f"{path}.{member}.{kind}") for member in members])
+        raise IncompatibleArtifactError(f"{component}: the weights have no tensor {name!r}, which the compiled "
+                                        f"code reads: another architecture than the artifact's")
+
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    result = {}
+    for fqn, want in expected.items():
+        if QUANTIZED in fqn:
+            layer = fqn.split(QUANTIZED)[0]
+            if layer not in quantized:
+                data = expected[f"{layer}{QUANTIZED}0"]
+                weight = conform(component, f"{layer}.weight", source(f"{layer}.weight"),
+                                 torch.empty(data.shape, dtype=dtype, device="meta"), device)
+                quantized[layer] = requantizer(recipe, component)(weight)
+            got = quantized[layer][int(fqn[-1])]
+        elif fqn in tensors or fused_members(fqn) is not None or fqn.endswith((".weight", ".bias")):
+            got = source(fqn)
+        else:  # lifted by export from the code, not a weight
+            got = want
+        result[fqn] = conform(component, fqn, got, want, device)
+    unread = sorted(set(tensors) - used)
+    if unread:
+        raise IncompatibleArtifactError(f"{component}: the weights have tensors the compiled code does not read, "
+                                        f"first {unread[0]!r} {list(tensors[unread[0]].shape)}: another "
+                                        f"architecture than the artifact's ({len(unread)} such tensors)")
+    return result
+
+
+def conform(component: str, fqn: str, got: torch.Tensor, want: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`got` on `device` with `want`'s dtype and strides: as it is when it already has them (bound
+    by pointer), else converted once."""
+    if list(got.shape) != list(want.shape) or got.is_floating_point() != want.is_floating_point():
+        raise IncompatibleArtifactError(
+            f"{component}: tensor {fqn!r} is {list(got.shape)} {_name(got.dtype)} in the weights; the compiled code "
+            f"reads {list(want.shape)} {_name(want.dtype)}: another architecture than the artifact's")
+    if got.dtype == want.dtype and got.device == device and same_strides(got, list(want.stride())):
+        return got
+    return torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=device).copy_(got)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

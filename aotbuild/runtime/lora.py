@@ -1,0 +1,280 @@
+"""diffusers' LoRA API on a compiled denoiser, as updates of its bound weights.
+
+The LoRA state lives where diffusers and peft keep it: peft layers injected into a copy of the
+original model class built on the meta device (no weights, no memory), so every diffusers call
+(`load_lora_weights`, `set_adapters`, `fuse_lora`, `unfuse_lora`, `disable_lora`,
+`delete_adapters`, `unload_lora_weights`, the per-call `scale`) changes that state exactly as it
+would on the eager model. Only the LoRA matrices are real tensors.
+
+Before each call the compiled component reads that state; when it changed, the constants the
+adapters touch are merged again from the base weights (W = W0 + sum of each adapter's delta,
+never by subtracting), into one merge buffer per touched constant, and bound. Fused QKV rows,
+the recorded dtype and strides, and int8 weights (dequantize the touched rows, merge, quantize
+them again with the recorded scheme) are handled. peft is imported only here, when a LoRA is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import AotbuildError
+from ..optimize import FUSED_PROJECTIONS
+from .checkpoint import QUANTIZED, dequantize_int8, int8_per_row
+
+# The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
+SCALE_KWARGS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
+_generations = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a LoRA layer's delta goes: rows of one constant (a fused projection holds several
+    layers), or of an int8 constant's data and scale."""
+
+    fqn: str  # the float weight, or the int8 data (`...original0`) whose scale is `...original1`
+    rows: slice
+    quantized: bool
+
+
+def pop_scale(kwargs: dict[str, Any], traced: set[str]) -> float:
+    """Take the per-call LoRA scale out of a denoiser call (the compiled code was traced without
+    it). An attention-kwargs dict left empty becomes what the pipeline passes without a scale:
+    None where the traced call had that argument as a leaf (`traced`), else {} (Flux's)."""
+    scale = 1.0
+    for key in SCALE_KWARGS:
+        extra = kwargs.get(key)
+        if isinstance(extra, dict) and "scale" in extra:
+            scale = float(extra["scale"])
+            rest = {k: v for k, v in extra.items() if k != "scale"}
+            kwargs[key] = rest if rest or key not in traced else None
+    return scale
+
+
+class LoraState:
+    """The LoRA adapters of one compiled component and the merged weights bound for them."""
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype, device: torch.device,
+                 base: dict[str, torch.Tensor], rebind: Any) -> None:
+        import diffusers
+
+        cls = getattr(diffusers, config["_class_name"])
+        with torch.device("meta"):
+            shell = cls.from_config(dict(config))
+        self.shell = torch.nn.Module.to(shell, dtype).eval()  # ModelMixin.to warns about fp32 modules: none here
+        self._dtype, self._device, self._base, self._rebind = dtype, device, base, rebind
+        self._generation: dict[str, int] = {}  # adapter -> which load made it (a name can be reused)
+        self._layers: list[tuple[str, Any]] = []
+        self._placements: dict[str, tuple[Placement, ...]] = {}
+        self._buffers: dict[str, torch.Tensor] = {}  # merge buffer per constant, kept once allocated
+        self._merged: set[str] = set()  # constants bound to their merge buffer now
+        self._bound_state: tuple = ()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, source: Any, **kwargs: Any) -> None:
+        """diffusers' `load_lora_adapter` on the shell, keeping the LoRA matrices real: peft puts
+        new adapters on the device of the layer they wrap, here meta, so the tensors diffusers
+        hands to `load_state_dict` are caught and put back. A LoRA the compiled code cannot apply
+        exactly is removed again and refused."""
+        if kwargs.get("hotswap"):
+            raise AotbuildError("hotswap=True is for torch.compile'd models; a compiled aotbuild model switches "
+                                "adapters without recompiling",
+                                hint="load the new adapter under its own adapter_name, or delete the old one first")
+        caught: dict[str, torch.Tensor] = {}
+        load_state_dict = self.shell.load_state_dict
+
+        def catching(state_dict: dict[str, torch.Tensor], *args: Any, **kw: Any) -> Any:
+            caught.update(state_dict)
+            return load_state_dict(state_dict, *args, **kw)
+
+        before = set(getattr(self.shell, "peft_config", {}))
+        self.shell.load_state_dict = catching
+        try:
+            self.shell.load_lora_adapter(source, **kwargs)
+        finally:
+            del self.shell.load_state_dict
+        added = [name for name in getattr(self.shell, "peft_config", {}) if name not in before]
+        for name, tensor in caught.items():
+            module_path, _, leaf = name.rpartition(".")
+            module = self.shell.get_submodule(module_path)
+            current = getattr(module, leaf)
+            if current.device.type == "meta":
+                dtype = current.dtype if current.is_floating_point() else tensor.dtype
+                setattr(module, leaf, torch.nn.Parameter(tensor.to(self._device, dtype), requires_grad=False))
+        for name in added:
+            self._generation[name] = next(_generations)
+        self.refresh()
+        problems = self._unsupported(added)
+        if problems:
+            self.shell.delete_adapters(added)
+            self.refresh()
+            raise AotbuildError(f"LoRA {', '.join(added)} cannot be applied to the compiled model: {problems}")
+
+    def _unsupported(self, adapters: list[str]) -> str:
+        missing, kinds = [], set()
+        for path, layer in self._layers:
+            mine = [a for a in adapters if a in layer.lora_A]
+            if not mine:
+                continue
+            if any(layer.use_dora.get(a) for a in mine):
+                kinds.add("DoRA (a magnitude vector, not a low-rank update)")
+            if any(getattr(layer, "lora_bias", {}).get(a) for a in mine):
+                kinds.add("LoRA biases")
+            if not self.placements(path, layer):
+                missing.append(path)
+        if missing:
+            kinds.add(f"it targets modules the compiled code does not have: {', '.join(missing[:5])}"
+                      + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        return "; ".join(sorted(kinds))
+
+    def refresh(self) -> None:
+        """Re-list the peft layers (after adapters were added or removed)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self._layers = [(name, m) for name, m in self.shell.named_modules() if isinstance(m, BaseTunerLayer)]
+        self._generation = {a: g for a, g in self._generation.items() if a in getattr(self.shell, "peft_config", {})}
+
+    def placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
+        """The constant rows a LoRA layer's delta goes to (empty: the compiled code has none)."""
+        if path not in self._placements:
+            self._placements[path] = self._find_placements(path, layer)
+        return self._placements[path]
+
+    def _find_placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
+        for fqn, quantized in ((f"{path}.weight", False), (f"{path}{QUANTIZED}0", True)):
+            if fqn in self._base:
+                return (Placement(fqn, slice(0, None), quantized),)
+        parent, _, name = path.rpartition(".")
+        attention = self.shell.get_submodule(parent)
+        for fused, members in FUSED_PROJECTIONS.items():
+            if name not in members:
+                continue
+            for fqn, quantized in ((f"{parent}.{fused}.weight", False), (f"{parent}.{fused}{QUANTIZED}0", True)):
+                if fqn in self._base:
+                    start = sum(getattr(attention, m).out_features for m in members[:members.index(name)])
+                    return (Placement(fqn, slice(start, start + layer.out_features), quantized),)
+        return ()
+
+    # -- merging -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _adapters(layer: Any, call_scale: float) -> list[tuple[str, float]]:
+        """The adapters a peft layer applies now, as its forward would, with the factor on top of
+        their scaling: none when disabled; only the merged ones when some are merged (fused);
+        else the active ones, times the call's scale."""
+        if layer.disable_adapters:
+            return []
+        if layer.merged_adapters:
+            return [(a, 1.0) for a in layer.merged_adapters]
+        return [(a, call_scale) for a in layer.active_adapters if a in layer.lora_A]
+
+    def _state(self, call_scale: float) -> tuple:
+        return tuple((path, tuple((a, self._generation.get(a), layer.scaling[a], factor)
+                                  for a, factor in self._adapters(layer, call_scale)))
+                     for path, layer in self._layers)
+
+    @property
+    def active(self) -> bool:
+        return any(self._adapters(layer, 1.0) for _, layer in self._layers)
+
+    def sync(self, call_scale: float) -> None:
+        """Bind the weights the LoRA state asks for, if it changed since the last call (the caller
+        holds the component's lock: no call runs meanwhile)."""
+        for _, layer in self._layers:
+            if layer.disable_adapters and layer.merged:  # what peft's own forward does
+                layer.unmerge()
+        state = self._state(call_scale)
+        if state == self._bound_state:
+            return
+        deltas: dict[str, list[tuple[Placement, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for path, layer in self._layers:
+                for adapter, factor in self._adapters(layer, call_scale):
+                    delta = layer.get_delta_weight(adapter)
+                    delta = (delta * factor if factor != 1.0 else delta).to(self._device)
+                    for place in self.placements(path, layer):
+                        deltas.setdefault(place.fqn, []).append((place, delta))
+            updates = {}
+            for fqn, placed in deltas.items():
+                updates.update(self._merge(fqn, placed))
+            for fqn in self._merged - set(updates):  # no adapter touches it any more: the base again
+                updates[fqn] = self._base[fqn]
+        self._rebind(updates)
+        self._merged = {fqn for fqn, tensor in updates.items() if tensor is not self._base.get(fqn)}
+        self._bound_state = state
+
+    def _buffer(self, fqn: str) -> torch.Tensor:
+        if fqn not in self._buffers:
+            base = self._base[fqn]
+            self._buffers[fqn] = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=base.device)
+        return self._buffers[fqn]
+
+    def _merge(self, fqn: str, placed: list[tuple[Placement, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Base + deltas into the constant's merge buffer (each delta added in turn in the weight's
+        dtype, as peft's merge does); an int8 constant's touched rows are dequantized, merged and
+        quantized again, its other rows stay the base's bit for bit."""
+        buffer = self._buffer(fqn).copy_(self._base[fqn])
+        if not placed[0][0].quantized:
+            for place, delta in placed:
+                buffer[place.rows].add_(delta.to(buffer.dtype).reshape(buffer[place.rows].shape))
+            return {fqn: buffer}
+        scale_fqn = fqn[:-1] + "1"
+        scales = self._buffer(scale_fqn).copy_(self._base[scale_fqn])
+        for rows in {(p.rows.start, p.rows.stop) for p, _ in placed}:
+            part = slice(*rows)
+            weight = dequantize_int8(self._base[fqn][part], self._base[scale_fqn][part], self._dtype)
+            for place, delta in placed:
+                if (place.rows.start, place.rows.stop) == rows:
+                    weight.add_(delta.to(self._dtype).reshape(weight.shape))
+            buffer[part], scales[part] = int8_per_row(weight)
+        return {fqn: buffer, scale_fqn: scales}
+
+
+# Methods of diffusers' PeftAdapterMixin a pipeline calls on its denoiser, run on the shell.
+SHELL_METHODS = ("set_adapters", "set_adapter", "fuse_lora", "unfuse_lora", "unload_lora", "disable_lora",
+                 "enable_lora", "delete_adapters", "active_adapters", "disable_adapters", "enable_adapters",
+                 "set_lora_device")
+
+
+@functools.cache
+def lora_component_class(base: type) -> type:
+    """`base` (CompiledComponent) as a diffusers ModelMixin with the LoRA API: diffusers' pipeline
+    methods act only on components that are ModelMixins, and walk their modules for peft layers
+    (the shell is registered as a submodule once a LoRA is loaded)."""
+    from diffusers.models.modeling_utils import ModelMixin
+
+    def on_shell(name: str) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                result = getattr(self._lora_state().shell, name)(*args, **kwargs)
+                self._lora_state().refresh()
+            return result
+
+        method.__name__ = name
+        method.__doc__ = f"diffusers' `{name}`, on this compiled model's LoRA state (bound before the next call)."
+        return method
+
+    def load_lora_adapter(self: Any, pretrained_model_name_or_path_or_dict: Any, prefix: str = "transformer",
+                          **kwargs: Any) -> None:
+        """diffusers' `load_lora_adapter`: the adapter's matrices are kept, and merged into the
+        bound weights before the next call."""
+        with self._lock:
+            self._lora_state().load(pretrained_model_name_or_path_or_dict, prefix=prefix, **kwargs)
+
+    def enable_lora_hotswap(self: Any, **kwargs: Any) -> None:
+        """Not needed: a compiled aotbuild model switches adapters without recompiling."""
+
+    def peft_config(self: Any) -> dict:
+        if self._lora is None:
+            raise AttributeError("peft_config")
+        return self._lora.shell.peft_config
+
+    methods = {name: on_shell(name) for name in SHELL_METHODS}
+    methods.update(load_lora_adapter=load_lora_adapter, enable_lora_hotswap=enable_lora_hotswap,
+                   peft_config=property(peft_config))
+    return type(base.__name__, (base, ModelMixin), methods)
