@@ -27,15 +27,50 @@ def built_artifact(target: Target, artifacts_dir: Path) -> Path:
     return folder
 
 
-def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: bool | None = None) -> Any:
-    """A ready pipeline for `target` run the `backend` way (`cuda_graphs`: aot only, None = as built)."""
+def parse_lora(text: str) -> tuple[str, float]:
+    """`PATH[:SCALE]` (a LoRA file, folder or Hub id, and its adapter weight, 1.0 by default)."""
+    path, sep, scale = text.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:
+    """Load each LoRA through diffusers' own API and activate them all with their weights;
+    returns the adapter names (`lora0`, `lora1`, ...)."""
+    names = []
+    for i, (path, _) in enumerate(loras):
+        name = f"lora{i}"
+        try:
+            pipe.load_lora_weights(path, adapter_name=name)
+        except (OSError, ValueError) as exc:  # diffusers' words for a missing or malformed LoRA
+            raise AotbuildError(f"LoRA {path}: {exc}") from None
+        names.append(name)
+    if names:
+        pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
+    return names
+
+
+def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: bool | None = None,
+            weights: str | None = None, loras: list[tuple[str, float]] = ()) -> Any:
+    """A ready pipeline for `target` run the `backend` way (`cuda_graphs`: aot only, None = as built).
+    aot only: `weights` another checkpoint of the architecture, `loras` (path, scale) to apply."""
+    if (weights is not None or loras) and backend != "aot":
+        raise AotbuildError(f"--weights and --lora run the artifact (--backend aot), not {backend}: the eager and "
+                            f"compile backends run the target's own pipeline")
     if backend == "aot":
         from .runtime import load_pipeline
         from .sources import is_random, local_folder
 
         # An artifact names a local source by its name only: the target knows where it is.
-        source = None if is_random(target.source) else local_folder(target.source, target.base_dir)
-        pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs, source=source)
+        source = None if is_random(target.source) or weights is not None else local_folder(target.source,
+                                                                                            target.base_dir)
+        pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs, source=source,
+                             weights=weights)
+        load_loras(pipe, list(loras))
     elif backend in ("eager", "compile"):
         from .builder import _check_device, _load_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec

@@ -82,12 +82,17 @@ def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: 
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="aot on CUDA: replay static buckets as CUDA graphs (default: the target's cuda_graphs)")
+@click.option("--weights", help="aot: another checkpoint of the artifact's architecture (diffusers folder or Hub "
+                                "id[@revision]) to run instead of the artifact's weights")
+@click.option("--lora", "loras", multiple=True, metavar="PATH[:SCALE]",
+              help="aot: a LoRA (file, folder or Hub id) to apply with its weight (default 1.0); repeatable")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
 def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, height: int | None,
-        width: int | None, batch: int | None, output: Path | None, cuda_graphs: bool | None, artifacts: Path) -> None:
+        width: int | None, batch: int | None, output: Path | None, cuda_graphs: bool | None, weights: str | None,
+        loras: tuple[str, ...], artifacts: Path) -> None:
     """Generate an image with the artifact (aot) or the eager / torch.compile pipeline."""
-    from .backends import generate, prepare
+    from .backends import generate, parse_lora, prepare
     from .targets import load_target
 
     target = load_target(target_name)
@@ -102,7 +107,8 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
     if cuda_graphs is not None and backend != "aot":
         raise AotbuildError(f"--cuda-graphs/--no-cuda-graphs apply to --backend aot, not {backend}")
     start = time.perf_counter()
-    pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs)
+    adapters = [parse_lora(text) for text in loras]
+    pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
     load_s = time.perf_counter() - start
     gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or first.height,
                    width=width or first.width, batch=batch or first.batch, guidance_scale=target.guidance_scale)
@@ -111,8 +117,9 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
             image.save(path)
             click.echo(f"wrote {path}")
-    click.echo(f"backend={backend} load={load_s:.2f}s first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s "
-               f"({steps} steps, {len(gen.images)} image(s))")
+    applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
+    click.echo(f"backend={backend}{applied} load={load_s:.2f}s first_step={gen.first_step_s:.2f}s "
+               f"total={gen.total_s:.2f}s ({steps} steps, {len(gen.images)} image(s))")
 
 
 @main.command()

@@ -47,6 +47,16 @@ class IncompatibleArtifactError(ArtifactError):
         self.field, self.found, self.expected = field, found, expected
 
 
+class WeightsMismatchError(IncompatibleArtifactError):
+    """Weights given for an artifact's compiled code are of another architecture (a tensor missing,
+    another shape, or one the code does not read)."""
+
+    def __init__(self, message: str) -> None:
+        ArtifactError.__init__(self, message, hint="use weights of the architecture the artifact was built for, "
+                                                   "or build a target for these weights")
+        self.field, self.found, self.expected = "weights", None, None
+
+
 class CorruptArtifactError(ArtifactError):
     """A file of the artifact is missing or fails its sha256."""
 

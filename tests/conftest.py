@@ -48,9 +48,12 @@ def generate(pipe, bucket, steps: int = 2, seed: int = 0):
 
 
 def build_once(tmp_path_factory, target) -> SimpleNamespace:
+    """Build `target` once per session into a fresh folder; AOTBUILD_TEST_ARTIFACTS names a folder
+    to keep builds in across sessions instead (a fresh artifact there is reused: for development)."""
     from aotbuild.builder import build
 
-    artifacts = tmp_path_factory.mktemp("session") / "artifacts"
+    kept = os.environ.get("AOTBUILD_TEST_ARTIFACTS")
+    artifacts = Path(kept) if kept else tmp_path_factory.mktemp("session") / "artifacts"
     messages: list[tuple[str, str]] = []
     result = build(target, artifacts, progress=lambda stage, msg: messages.append((stage, msg)))
     return SimpleNamespace(folder=result.folder, artifacts=artifacts, manifest=result.manifest, progress=messages)
@@ -79,3 +82,34 @@ def built_int8(tmp_path_factory, int8_target):
 def artifact_copy(built, tmp_path) -> Path:
     """A private copy of the session artifact, free to damage."""
     return Path(shutil.copytree(built.folder, tmp_path / built.folder.name))
+
+
+# What a typical LoRA trains: every attention projection (SD3/Flux add the context stream's).
+UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+TRANSFORMER_LORA_TARGETS = (*UNET_LORA_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def make_lora(pipe, folder: Path, seed: int, *, rank: int = 4, alpha: int = 8, targets=None,
+              use_dora: bool = False) -> Path:
+    """A random LoRA for the pipeline's denoiser, made with peft (seeded) on a copy of it and saved
+    with diffusers' `save_lora_weights` (PEFT format, alpha in the metadata). Returns the file."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    attribute = "unet" if hasattr(pipe, "unet") else "transformer"
+    denoiser = copy.deepcopy(getattr(pipe, attribute))
+    targets = targets or (UNET_LORA_TARGETS if attribute == "unet" else TRANSFORMER_LORA_TARGETS)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                        use_dora=use_dora)
+    torch.manual_seed(seed)
+    denoiser.add_adapter(config, adapter_name="made")
+    if use_dora:  # a magnitude that differs from the weight norm, so DoRA changes the output
+        for name, param in denoiser.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.data.mul_(1.5)
+    layers = get_peft_model_state_dict(denoiser, adapter_name="made")
+    metadata = {"r": rank, "lora_alpha": alpha, "target_modules": list(targets), "use_dora": use_dora}
+    type(pipe).save_lora_weights(folder, **{f"{attribute}_lora_layers": layers,
+                                            f"{attribute}_lora_adapter_metadata": metadata})
+    return folder / "pytorch_lora_weights.safetensors"

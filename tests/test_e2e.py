@@ -97,15 +97,20 @@ def test_load_pipeline_never_materialises_compiled_weights(built):
     assert pipe.unet.dtype == pipe.vae.dtype == torch.float32 and pipe.device.type == "cpu"
 
 
-def test_apply_swaps_in_compiled_modules_and_frees_originals(built, tiny_target):
+@pytest.mark.parametrize("weights", ["artifact", "pipeline"])
+def test_apply_swaps_in_compiled_modules_and_frees_originals(built, tiny_target, weights):
+    """weights="artifact" frees the original modules with their weights; the default binds the
+    pipeline's tensors themselves (no copy when dtype and layout already fit) and frees the rest."""
     pipe = eager_pipeline(tiny_target)
     bucket = ShapeBucket(1, 64, 64)
     expected = generate(pipe, bucket)
     unet_ref = weakref.ref(pipe.unet)
     weight_ref = weakref.ref(pipe.unet.conv_in.weight)
-    aotbuild.apply(pipe, built.folder)
+    storage = pipe.unet.conv_in.weight.data_ptr()
+    aotbuild.apply(pipe, built.folder, weights=weights)
     gc.collect()
     assert unet_ref() is None and weight_ref() is None
+    assert (pipe.unet.weights["conv_in.weight"].data_ptr() == storage) == (weights == "pipeline")
     assert isinstance(pipe.unet, CompiledComponent) and isinstance(pipe.vae, CompiledComponent)
     np.testing.assert_allclose(generate(pipe, bucket), expected, atol=IMAGE_ATOL, rtol=0)
 

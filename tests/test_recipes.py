@@ -63,3 +63,65 @@ def test_contiguous_and_channels_last_inputs_give_the_same_result(built_int8, in
     torch.testing.assert_close(contiguous, nhwc, atol=0, rtol=0)
     scale = call.output.abs().max()
     assert (contiguous - call.output).abs().max() / scale < 0.1
+
+
+def test_lora_on_fused_qkv_channels_last_int8(built_int8, int8_target, tmp_path):
+    """A LoRA on q/k/v (fused rows), the output projection and the resnets' convolutions (NHWC
+    strides) of the int8 recipe: touched rows are dequantized, merged and quantized again, the
+    others stay the build's bit for bit; compared with eager float32 running the same LoRA."""
+    from aotbuild.runtime.checkpoint import dequantize_int8, int8_per_row
+
+    from .conftest import make_lora
+
+    targets = ("to_q", "to_v", "to_out.0", "conv1")
+    lora_a = make_lora(eager_pipeline(int8_target), tmp_path / "A", seed=1, targets=targets)
+    lora_b = make_lora(eager_pipeline(int8_target), tmp_path / "B", seed=2, targets=targets)
+    bucket = ShapeBucket(1, 64, 64)
+    eager = eager_pipeline(int8_target)
+    eager.load_lora_weights(lora_a, adapter_name="A")
+    compiled = aotbuild.load_pipeline(built_int8.folder)
+    base = generate(compiled, bucket)
+    compiled.load_lora_weights(lora_a, adapter_name="A")
+    with_a = generate(compiled, bucket)
+    np.testing.assert_allclose(with_a, generate(eager, bucket), atol=INT8_IMAGE_ATOL, rtol=0)
+    assert np.abs(with_a - base).max() > 2 * INT8_IMAGE_ATOL  # the LoRA is there, beyond int8 noise
+
+    unet = compiled.unet
+    fused = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_qkv.parametrizations.weight.original"
+    data, scale = unet._lora._buffers[fused + "0"], unet._lora._buffers[fused + "1"]
+    base_data, base_scale = unet.weights[fused + "0"], unet.weights[fused + "1"]
+    width = base_data.shape[0] // 3
+    assert torch.equal(data[width:2 * width], base_data[width:2 * width])  # to_k rows: untouched
+    assert torch.equal(scale[width:2 * width], base_scale[width:2 * width])
+    layer = unet.lora_shell.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
+    expected = int8_per_row(dequantize_int8(base_data[:width], base_scale[:width], torch.float32)
+                            + layer.get_delta_weight("A"))
+    assert torch.equal(data[:width], expected[0]) and torch.equal(scale[:width], expected[1])
+    conv = "down_blocks.0.resnets.0.conv1.weight"
+    assert conv in unet._lora._merged and unet._lora._buffers[conv].stride() == unet.weights[conv].stride()
+
+    compiled.load_lora_weights(lora_b, adapter_name="B")
+    compiled.set_adapters("B")
+    assert not np.array_equal(generate(compiled, bucket), with_a)
+    compiled.set_adapters("A")
+    assert np.array_equal(generate(compiled, bucket), with_a)  # A -> B -> A: bit for bit
+    compiled.unload_lora_weights()
+    assert np.array_equal(generate(compiled, bucket), base)
+
+
+def test_other_weights_are_quantized_as_the_build_did(built_int8, int8_target):
+    """apply() on another seed's float32 pipeline: fused, laid out NHWC and quantized at load the
+    way the build quantizes; the same images as building from those weights would give."""
+    from aotbuild.builder import optimize_pipeline
+    from aotbuild.runtime.checkpoint import module_tensors
+
+    finetuned = eager_pipeline(int8_target, seed=5)
+    expected = generate(finetuned, ShapeBucket(1, 64, 64))
+    aotbuild.apply(finetuned, built_int8.folder)
+    np.testing.assert_allclose(generate(finetuned, ShapeBucket(1, 64, 64)), expected, atol=INT8_IMAGE_ATOL, rtol=0)
+    built_way = eager_pipeline(int8_target, seed=5)  # through the build's own passes (torchao)
+    modules, _ = optimize_pipeline(built_way, [pipeline_spec(int8_target.pipeline).component("unet")], int8_target)
+    reference = module_tensors(modules["unet"])
+    assert len(finetuned.unet.weights) > 100
+    for fqn, tensor in finetuned.unet.weights.items():
+        assert torch.equal(tensor, reference[fqn]), fqn

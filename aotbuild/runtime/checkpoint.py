@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import IncompatibleArtifactError
+from ..errors import AotbuildError, WeightsMismatchError
 from ..optimize import FUSED_PROJECTIONS
 from .weights import same_strides
 
@@ -49,7 +49,7 @@ def requantizer(recipe: str | None, component: str) -> Callable[[torch.Tensor], 
     try:
         return REQUANTIZERS[recipe]
     except KeyError:
-        raise IncompatibleArtifactError(
+        raise AotbuildError(
             f"{component}: this artifact's weights are quantized with the {recipe!r} recipe, which aotbuild can "
             f"only build, not redo at load: other weights and LoRAs need {' or '.join(REQUANTIZERS)}",
             hint="build the artifact from these weights instead") from None
@@ -58,10 +58,15 @@ def requantizer(recipe: str | None, component: str) -> Callable[[torch.Tensor], 
 def fused_members(fqn: str) -> tuple[str, tuple[str, ...], str] | None:
     """(attention path, member projections in row order, 'weight' or 'bias') when `fqn` is a
     projection fuse_qkv made (`...attn1.to_qkv.weight`), else None."""
-    parts = fqn.rsplit(".", 2)
-    if len(parts) == 3 and parts[1] in FUSED_PROJECTIONS:
-        return parts[0], FUSED_PROJECTIONS[parts[1]], parts[2]
+    parts = fqn.split(".")
+    if len(parts) >= 2 and parts[-2] in FUSED_PROJECTIONS:
+        return ".".join(parts[:-2]), FUSED_PROJECTIONS[parts[-2]], parts[-1]
     return None
+
+
+def child(path: str, *names: str) -> str:
+    """A dotted name below `path` ("" is the root module)."""
+    return ".".join(filter(None, (path, *names)))
 
 
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,8 +90,9 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
     Constants that are not weights (tensors export lifted from the code) keep the artifact's.
 
     Raises:
-        IncompatibleArtifactError: a tensor is missing, has another shape, or the checkpoint has
-            tensors the compiled code does not read (another architecture): never silent.
+        WeightsMismatchError (an IncompatibleArtifactError): a tensor is missing, has another
+            shape, or the checkpoint has tensors the compiled code does not read (another
+            architecture): never silent.
     """
     used: set[str] = set()
 
@@ -97,8 +103,8 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
         fused = fused_members(name)
         if fused is not None:
             path, members, kind = fused
-            return torch.cat([source(f"{path}.{member}.{kind}") for member in members])
-        raise IncompatibleArtifactError(f"{component}: the weights have no tensor {name!r}, which the compiled "
+            return torch.cat([source(child(path, member, kind)) for member in members])
+        raise WeightsMismatchError(f"{component}: the weights have no tensor {name!r}, which the compiled "
                                         f"code reads: another architecture than the artifact's")
 
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -119,7 +125,7 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
         result[fqn] = conform(component, fqn, got, want, device)
     unread = sorted(set(tensors) - used)
     if unread:
-        raise IncompatibleArtifactError(f"{component}: the weights have tensors the compiled code does not read, "
+        raise WeightsMismatchError(f"{component}: the weights have tensors the compiled code does not read, "
                                         f"first {unread[0]!r} {list(tensors[unread[0]].shape)}: another "
                                         f"architecture than the artifact's ({len(unread)} such tensors)")
     return result
@@ -129,7 +135,7 @@ def conform(component: str, fqn: str, got: torch.Tensor, want: torch.Tensor, dev
     """`got` on `device` with `want`'s dtype and strides: as it is when it already has them (bound
     by pointer), else converted once."""
     if list(got.shape) != list(want.shape) or got.is_floating_point() != want.is_floating_point():
-        raise IncompatibleArtifactError(
+        raise WeightsMismatchError(
             f"{component}: tensor {fqn!r} is {list(got.shape)} {_name(got.dtype)} in the weights; the compiled code "
             f"reads {list(want.shape)} {_name(want.dtype)}: another architecture than the artifact's")
     if got.dtype == want.dtype and got.device == device and same_strides(got, list(want.stride())):

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import AotbuildError
 from ..optimize import FUSED_PROJECTIONS
-from .checkpoint import QUANTIZED, dequantize_int8, int8_per_row
+from .checkpoint import QUANTIZED, child, dequantize_int8, int8_per_row
 
 # The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
 SCALE_KWARGS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
@@ -146,19 +146,24 @@ class LoraState:
         return self._placements[path]
 
     def _find_placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
-        for fqn, quantized in ((f"{path}.weight", False), (f"{path}{QUANTIZED}0", True)):
-            if fqn in self._base:
-                return (Placement(fqn, slice(0, None), quantized),)
+        found = self._weight_constant(path)
+        if found is not None:
+            return (Placement(found[0], slice(0, None), found[1]),)
         parent, _, name = path.rpartition(".")
         attention = self.shell.get_submodule(parent)
         for fused, members in FUSED_PROJECTIONS.items():
-            if name not in members:
-                continue
-            for fqn, quantized in ((f"{parent}.{fused}.weight", False), (f"{parent}.{fused}{QUANTIZED}0", True)):
-                if fqn in self._base:
-                    start = sum(getattr(attention, m).out_features for m in members[:members.index(name)])
-                    return (Placement(fqn, slice(start, start + layer.out_features), quantized),)
+            found = self._weight_constant(child(parent, fused)) if name in members else None
+            if found is not None:
+                start = sum(getattr(attention, m).out_features for m in members[:members.index(name)])
+                return (Placement(found[0], slice(start, start + layer.out_features), found[1]),)
         return ()
+
+    def _weight_constant(self, module: str) -> tuple[str, bool] | None:
+        """(constant holding `module`'s weight, whether int8 data with its scale beside), if bound."""
+        for fqn, quantized in ((child(module, "weight"), False), (child(module) + f"{QUANTIZED}0", True)):
+            if fqn in self._base:
+                return fqn, quantized
+        return None
 
     # -- merging -------------------------------------------------------------------------------
 
@@ -266,6 +271,13 @@ def lora_component_class(base: type) -> type:
         with self._lock:
             self._lora_state().load(pretrained_model_name_or_path_or_dict, prefix=prefix, **kwargs)
 
+    def update_weights(self: Any) -> None:
+        """Bind now what the LoRA state asks for (otherwise done before the next call): the merge
+        work leaves the first call after a switch."""
+        with self._lock:
+            if self._lora is not None:
+                self._lora.sync(1.0)
+
     def enable_lora_hotswap(self: Any, **kwargs: Any) -> None:
         """Not needed: a compiled aotbuild model switches adapters without recompiling."""
 
@@ -275,6 +287,6 @@ def lora_component_class(base: type) -> type:
         return self._lora.shell.peft_config
 
     methods = {name: on_shell(name) for name in SHELL_METHODS}
-    methods.update(load_lora_adapter=load_lora_adapter, enable_lora_hotswap=enable_lora_hotswap,
-                   peft_config=property(peft_config))
+    methods.update(load_lora_adapter=load_lora_adapter, update_weights=update_weights,
+                   enable_lora_hotswap=enable_lora_hotswap, peft_config=property(peft_config))
     return type(base.__name__, (base, ModelMixin), methods)

@@ -1,0 +1,82 @@
+"""The recorded passes replayed on other weights (no compile): fused QKV rows, layouts, dtypes and
+torchao's int8 scheme re-implemented bit for bit; the small parsers of the LoRA path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from aotbuild.backends import parse_lora
+from aotbuild.errors import IncompatibleArtifactError
+from aotbuild.runtime.checkpoint import checkpoint_constants, dequantize_int8, int8_per_row, module_tensors
+from aotbuild.runtime.lora import pop_scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_scheme_is_torchaos_bit_for_bit(dtype):
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+    weight = torch.randn(96, 40, generator=torch.Generator().manual_seed(0)).to(dtype)
+    weight[3] = 0  # the eps floor of an all-zero row
+    weight[5, 7] = 1e4  # one outlier sets its row's scale
+    reference = Int8Tensor.from_hp(weight, granularity=PerRow())
+    data, scale = int8_per_row(weight)
+    assert torch.equal(data, reference.qdata) and torch.equal(scale, reference.scale)
+    assert data.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (96, 1)
+    back = dequantize_int8(data, scale, torch.float32)
+    assert ((back - weight.float()).abs() <= scale * 0.501).all()  # half a step (a clamped 127.5: exactly half)
+
+
+def _attention():
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(0)
+    return Attention(query_dim=16, heads=2, dim_head=8, bias=True).eval()
+
+
+def test_fused_rows_layouts_and_dtypes_from_unfused_weights():
+    attention = _attention()
+    fused = copy.deepcopy(attention)
+    fused.fuse_projections()
+    fused.to(torch.bfloat16)
+    expected = {k: v for k, v in module_tensors(fused).items() if ".to_q." not in f".{k}" and ".to_k." not in f".{k}"
+                and ".to_v." not in f".{k}"}
+    assert "to_qkv.weight" in expected and "to_q.weight" not in expected
+    got = checkpoint_constants("attn", module_tensors(attention), expected, torch.bfloat16, None, torch.device("cpu"))
+    assert set(got) == set(expected)
+    for fqn, tensor in expected.items():
+        assert torch.equal(got[fqn], tensor) and got[fqn].dtype == torch.bfloat16, fqn
+
+    conv = torch.nn.Conv2d(4, 8, 3)
+    nhwc = {k: v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v
+            for k, v in module_tensors(conv).items()}
+    got = checkpoint_constants("conv", module_tensors(conv), nhwc, torch.float32, None, torch.device("cpu"))
+    assert got["weight"].stride() == nhwc["weight"].stride() and torch.equal(got["weight"], conv.weight)
+    assert got["bias"].data_ptr() == conv.bias.data_ptr()  # nothing to change: bound as it is
+
+
+def test_another_architecture_names_the_first_difference():
+    attention, other = _attention(), _attention()
+    other.to_out[0] = torch.nn.Linear(16, 12)
+    expected = module_tensors(attention)
+    with pytest.raises(IncompatibleArtifactError, match=r"attn: tensor 'to_out.0.weight' is \[12, 16\] float32 in "
+                       r"the weights; the compiled code reads \[16, 16\] float32"):
+        checkpoint_constants("attn", module_tensors(other), expected, torch.float32, None, torch.device("cpu"))
+    with pytest.raises(IncompatibleArtifactError, match=r"attn: the weights have no tensor 'to_q.weight'"):
+        checkpoint_constants("attn", {k: v for k, v in expected.items() if k != "to_q.weight"}, expected,
+                             torch.float32, None, torch.device("cpu"))
+
+
+def test_parse_lora_and_the_per_call_scale():
+    assert parse_lora("styles/ink.safetensors") == ("styles/ink.safetensors", 1.0)
+    assert parse_lora("styles/ink.safetensors:0.6") == ("styles/ink.safetensors", 0.6)
+    assert parse_lora("org/lora-repo:1.5") == ("org/lora-repo", 1.5)
+    assert parse_lora("weird:name") == ("weird:name", 1.0)
+    kwargs = {"cross_attention_kwargs": {"scale": 0.3}, "joint_attention_kwargs": {"scale": 0.5, "other": 1}}
+    assert pop_scale(kwargs, traced={"cross_attention_kwargs"}) == 0.5
+    assert kwargs == {"cross_attention_kwargs": None, "joint_attention_kwargs": {"other": 1}}
+    kwargs = {"joint_attention_kwargs": {"scale": 0.2}}
+    assert pop_scale(kwargs, traced=set()) == 0.2 and kwargs == {"joint_attention_kwargs": {}}  # Flux passes {}
