@@ -38,7 +38,6 @@ class Placement:
 
     fqn: str  # the float weight, or the int8 data (`...original0`) whose scale is `...original1`
     rows: slice
-    quantized: bool
 
 
 def pop_scale(kwargs: dict[str, Any], traced: set[str]) -> float:
@@ -148,22 +147,20 @@ class LoraState:
     def _find_placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
         found = self._weight_constant(path)
         if found is not None:
-            return (Placement(found[0], slice(0, None), found[1]),)
+            return (Placement(found, slice(0, None)),)
         parent, _, name = path.rpartition(".")
         attention = self.shell.get_submodule(parent)
         for fused, members in FUSED_PROJECTIONS.items():
             found = self._weight_constant(child(parent, fused)) if name in members else None
             if found is not None:
                 start = sum(getattr(attention, m).out_features for m in members[:members.index(name)])
-                return (Placement(found[0], slice(start, start + layer.out_features), found[1]),)
+                return (Placement(found, slice(start, start + layer.out_features)),)
         return ()
 
-    def _weight_constant(self, module: str) -> tuple[str, bool] | None:
-        """(constant holding `module`'s weight, whether int8 data with its scale beside), if bound."""
-        for fqn, quantized in ((child(module, "weight"), False), (child(module) + f"{QUANTIZED}0", True)):
-            if fqn in self._base:
-                return fqn, quantized
-        return None
+    def _weight_constant(self, module: str) -> str | None:
+        """The constant holding `module`'s weight (float, or int8 data with its scale beside)."""
+        return next((fqn for fqn in (child(module, "weight"), child(module) + f"{QUANTIZED}0") if fqn in self._base),
+                    None)
 
     # -- merging -------------------------------------------------------------------------------
 
@@ -196,21 +193,20 @@ class LoraState:
         state = self._state(call_scale)
         if state == self._bound_state:
             return
-        deltas: dict[str, list[tuple[Placement, torch.Tensor]]] = {}
+        updates: dict[str, dict[tuple[int, int], list[Update]]] = {}  # constant -> rows -> in order
+        for path, layer in self._layers:
+            for adapter, factor in self._adapters(layer, call_scale):
+                for place in self.placements(path, layer):
+                    rows = (place.rows.start, place.rows.stop or self._base[place.fqn].shape[0])
+                    updates.setdefault(place.fqn, {}).setdefault(rows, []).append(Update(layer, adapter, factor))
+        bind: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for path, layer in self._layers:
-                for adapter, factor in self._adapters(layer, call_scale):
-                    delta = layer.get_delta_weight(adapter)
-                    delta = (delta * factor if factor != 1.0 else delta).to(self._device)
-                    for place in self.placements(path, layer):
-                        deltas.setdefault(place.fqn, []).append((place, delta))
-            updates = {}
-            for fqn, placed in deltas.items():
-                updates.update(self._merge(fqn, placed))
-            for fqn in self._merged - set(updates):  # no adapter touches it any more: the base again
-                updates[fqn] = self._base[fqn]
-        self._rebind(updates)
-        self._merged = {fqn for fqn, tensor in updates.items() if tensor is not self._base.get(fqn)}
+            for fqn, by_rows in updates.items():
+                bind.update(self._merge(fqn, by_rows))
+        for fqn in self._merged - set(bind):  # no adapter touches it any more: the base again
+            bind[fqn] = self._base[fqn]
+        self._rebind(bind)
+        self._merged = {fqn for fqn, tensor in bind.items() if tensor is not self._base.get(fqn)}
         self._bound_state = state
 
     def _buffer(self, fqn: str) -> torch.Tensor:
@@ -219,25 +215,60 @@ class LoraState:
             self._buffers[fqn] = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=base.device)
         return self._buffers[fqn]
 
-    def _merge(self, fqn: str, placed: list[tuple[Placement, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Base + deltas into the constant's merge buffer (each delta added in turn in the weight's
-        dtype, as peft's merge does); an int8 constant's touched rows are dequantized, merged and
-        quantized again, its other rows stay the base's bit for bit."""
-        buffer = self._buffer(fqn).copy_(self._base[fqn])
-        if not placed[0][0].quantized:
-            for place, delta in placed:
-                buffer[place.rows].add_(delta.to(buffer.dtype).reshape(buffer[place.rows].shape))
-            return {fqn: buffer}
+    def _merge(self, fqn: str, by_rows: dict[tuple[int, int], list[Update]]) -> dict[str, torch.Tensor]:
+        """Base + each update in turn, into the constant's merge buffer, in one pass over the base
+        (rows no adapter touches are copied). An int8 constant's touched rows are dequantized,
+        merged and quantized again; its other rows stay the base's bit for bit."""
+        base, buffer = self._base[fqn], self._buffer(fqn)
+        quantized = fqn.endswith(f"{QUANTIZED}0")
         scale_fqn = fqn[:-1] + "1"
-        scales = self._buffer(scale_fqn).copy_(self._base[scale_fqn])
-        for rows in {(p.rows.start, p.rows.stop) for p, _ in placed}:
-            part = slice(*rows)
-            weight = dequantize_int8(self._base[fqn][part], self._base[scale_fqn][part], self._dtype)
-            for place, delta in placed:
-                if (place.rows.start, place.rows.stop) == rows:
-                    weight.add_(delta.to(self._dtype).reshape(weight.shape))
-            buffer[part], scales[part] = int8_per_row(weight)
-        return {fqn: buffer, scale_fqn: scales}
+        for rows in _untouched(base.shape[0], list(by_rows)):
+            buffer[rows].copy_(base[rows])
+            if quantized:
+                self._buffer(scale_fqn)[rows].copy_(self._base[scale_fqn][rows])
+        for (start, stop), in_order in by_rows.items():
+            rows = slice(start, stop)
+            if quantized:
+                weight = dequantize_int8(base[rows], self._base[scale_fqn][rows], self._dtype)
+                for update in in_order:
+                    update.add(weight, weight)
+                buffer[rows], self._buffer(scale_fqn)[rows] = int8_per_row(weight)
+            else:
+                source = base[rows]
+                for update in in_order:
+                    update.add(source, buffer[rows])
+                    source = buffer[rows]
+        return {fqn: buffer, scale_fqn: self._buffers[scale_fqn]} if quantized else {fqn: buffer}
+
+
+@dataclass(frozen=True)
+class Update:
+    """One adapter's delta on one peft layer, times a factor (the call's scale)."""
+
+    layer: Any
+    adapter: str
+    factor: float
+
+    def add(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """out = source + delta (`out` may be `source`). A linear LoRA's delta is never made: one
+        GEMM adds B @ A into the output while reading the source once."""
+        down, up = self.layer.lora_A[self.adapter], self.layer.lora_B[self.adapter]
+        scale = self.layer.scaling[self.adapter] * self.factor
+        if isinstance(down, torch.nn.Linear) and not getattr(self.layer, "fan_in_fan_out", False) and out.ndim == 2:
+            torch.addmm(source, up.weight.to(out), down.weight.to(out), alpha=scale, out=out)
+        else:  # convolutions and the rest: peft's own delta
+            delta = self.layer.get_delta_weight(self.adapter) * self.factor
+            torch.add(source, delta.to(out).reshape(out.shape), out=out)
+
+
+def _untouched(size: int, ranges: list[tuple[int, int]]) -> list[slice]:
+    """The row slices of [0, size) outside every (start, stop) range."""
+    gaps, position = [], 0
+    for start, stop in sorted(ranges):
+        if start > position:
+            gaps.append(slice(position, start))
+        position = max(position, stop)
+    return [*gaps, slice(position, size)] if position < size else gaps
 
 
 # Methods of diffusers' PeftAdapterMixin a pipeline calls on its denoiser, run on the shell.
