@@ -30,7 +30,12 @@ CASES = ("eager", "compile", "compile-cached", "aot")
 # cost of dynamism next to the static bucket); served with CUDA graphs on or off, whatever the
 # target says (`aot` runs it as built).
 GRAPH_CASES = {"aot-cuda-graphs": True, "aot-no-cuda-graphs": False}  # case: cuda_graphs forced to
-EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES)
+# Opt-in: the artifact switching between two random LoRAs (rank 16 on every attention projection).
+LORA_CASE = "aot-lora"
+LORA_RANK = 16
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+LORA_SWITCHES = 5
+EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -46,6 +51,12 @@ FIGURES = {
     "peak_rss_mib": "peak RSS",
     "peak_cuda_mib": "peak CUDA memory",
     "artifact_mib": "artifact bytes",
+    "lora_switch_s": "LoRA A -> B: load B (page cache dropped), activate it, delete A, merge and bind (aot-lora)",
+    "lora_floor_s": "reading that LoRA file cold plus one copy of the weights it touches (aot-lora)",
+    "lora_switch_over_floor": "lora_switch_s / lora_floor_s, median of per-switch ratios (aot-lora)",
+    "lora_touched_mib": "bytes of the constants a LoRA touches (aot-lora)",
+    "lora_rss_mib": "RSS added by loading LoRAs and switching between them (aot-lora)",
+    "lora_new_files": "files the switches added to the inductor and package caches: compiles or extractions (aot-lora)",
 }
 BENCH_NAME = "bench.json"
 
@@ -293,11 +304,78 @@ def _worker(args: argparse.Namespace) -> None:
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     figures["artifact_mib"] = figures["weights_read_s"] = figures["load_over_floor"] = None
+    figures.update(dict.fromkeys(f for f in FIGURES if f.startswith("lora_")))
+    if args.case == LORA_CASE:
+        figures.update(_lora_switches(pipe, Path(args.out).parent / f"loras-{os.getpid()}"))
     if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
         figures["weights_read_s"] = _cold_read_s(sorted(artifact.glob("*.safetensors")))
         figures["load_over_floor"] = load_s / figures["weights_read_s"]
     Path(args.out).write_text(json.dumps(figures))
+
+
+def random_lora(pipe: Any, attribute: str, path: Path, seed: int, rank: int = LORA_RANK) -> Path:
+    """A random LoRA file in diffusers' PEFT format for the pipeline's compiled denoiser: rank
+    `rank` on every attention projection (`LORA_TARGETS`), in the denoiser's dtype."""
+    import diffusers
+    import torch
+    from safetensors.torch import save_file
+
+    denoiser = getattr(pipe, attribute)
+    with torch.device("meta"):
+        model = getattr(diffusers, denoiser.config["_class_name"]).from_config(dict(denoiser.config))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(LORA_TARGETS):
+            down = torch.randn(rank, module.in_features, generator=generator) / module.in_features ** 0.5
+            up = torch.randn(module.out_features, rank, generator=generator) * 0.01
+            tensors[f"{attribute}.{name}.lora_A.weight"] = down.to(denoiser.dtype)
+            tensors[f"{attribute}.{name}.lora_B.weight"] = up.to(denoiser.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, os.fspath(path))
+    return path
+
+
+def _files_under(*folders: Path) -> int:
+    return sum(1 for folder in folders if folder.is_dir() for p in folder.rglob("*") if p.is_file())
+
+
+def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
+    """Switch between two random LoRAs `LORA_SWITCHES` times, each switch timed against its floor."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .runtime.cache import package_cache_dir
+
+    attribute, denoiser = next((n, m) for n, m in pipe.components.items() if hasattr(m, "update_weights"))
+    files = [random_lora(pipe, attribute, work / f"lora{i}.safetensors", seed=i) for i in (0, 1)]
+    caches = (Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", work / "none")), package_cache_dir())
+    files_before, rss_before = _files_under(*caches), _rss_mib()
+    pipe.load_lora_weights(files[0], adapter_name="lora0")
+    denoiser.update_weights()
+    touched = [denoiser.weights[fqn] for fqn in denoiser._lora._merged]
+    scratch = torch.empty(max(t.numel() for t in touched), dtype=touched[0].dtype, device=touched[0].device)
+    switches, floors = [], []
+    for i in range(1, LORA_SWITCHES + 1):
+        new, old = files[i % 2], f"lora{(i - 1) % 2}"
+        drop_page_cache([new])
+        start = time.perf_counter()
+        pipe.load_lora_weights(new, adapter_name=f"lora{i % 2}")
+        pipe.set_adapters(f"lora{i % 2}")
+        pipe.delete_adapters(old)
+        denoiser.update_weights()
+        switches.append(time.perf_counter() - start)
+        drop_page_cache([new])
+        start = time.perf_counter()
+        load_file(os.fspath(new))
+        for tensor in touched:
+            scratch[: tensor.numel()].view(tensor.shape).copy_(tensor)
+        floors.append(time.perf_counter() - start)
+    return {"lora_switch_s": statistics.median(switches), "lora_floor_s": statistics.median(floors),
+            "lora_switch_over_floor": statistics.median(s / f for s, f in zip(switches, floors, strict=True)),
+            "lora_touched_mib": sum(t.numel() * t.element_size() for t in touched) / 2**20,
+            "lora_rss_mib": _rss_mib() - rss_before, "lora_new_files": _files_under(*caches) - files_before}
 
 
 def main(argv: list[str] | None = None) -> None:

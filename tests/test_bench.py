@@ -84,6 +84,19 @@ def test_short_real_bench_has_every_case_and_figure(built, tmp_path):
     assert "ratio to aot" in result.output and plot.stat().st_size > 10_000
 
 
+def test_lora_switch_case_measures_switches_against_their_floor(built, tmp_path):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    result = CliRunner().invoke(main, [
+        "bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts", str(artifacts), "--cases", "aot-lora",
+        "--repeats", "1", "--steps", "2", "--steady", "1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    run = json.loads((artifacts / built.folder.name / "bench.json").read_text())["runs"]["aot-lora"][0]
+    assert run["lora_switch_s"] > 0 and run["lora_floor_s"] > 0 and run["lora_switch_over_floor"] > 0
+    assert run["lora_new_files"] == 0  # a switch compiles and extracts nothing
+    assert 0 < run["lora_touched_mib"] < 1 and run["first_image_s"] > 0
+
+
 def test_bench_without_artifact_or_with_unknown_case(tmp_path):
     result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
                                        "--artifacts", str(tmp_path)])

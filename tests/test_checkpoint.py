@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aotbuild.backends import parse_lora
-from aotbuild.errors import IncompatibleArtifactError
+from aotbuild.errors import AotbuildError, IncompatibleArtifactError
 from aotbuild.runtime.checkpoint import checkpoint_constants, dequantize_int8, int8_per_row, module_tensors
 from aotbuild.runtime.lora import pop_scale
 
@@ -80,3 +80,25 @@ def test_parse_lora_and_the_per_call_scale():
     assert kwargs == {"cross_attention_kwargs": None, "joint_attention_kwargs": {"other": 1}}
     kwargs = {"joint_attention_kwargs": {"scale": 0.2}}
     assert pop_scale(kwargs, traced=set()) == 0.2 and kwargs == {"joint_attention_kwargs": {}}  # Flux passes {}
+
+
+def test_quantized_constants_are_made_with_the_recipes_scheme():
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    data, scale = int8_per_row(weight)
+    expected = {"proj.parametrizations.weight.original0": data, "proj.parametrizations.weight.original1": scale}
+    got = checkpoint_constants("unet", {"proj.weight": weight}, expected, torch.float32, "int8_dynamic",
+                               torch.device("cpu"))
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    with pytest.raises(AotbuildError, match=r"unet: this artifact's weights are quantized with the 'float8_dynamic' "
+                       r"recipe, which aotbuild can only build, not redo at load"):
+        checkpoint_constants("unet", {"proj.weight": weight}, expected, torch.float32, "float8_dynamic",
+                             torch.device("cpu"))
+
+
+def test_the_runtime_imports_no_lora_or_build_code():
+    import subprocess
+    import sys
+
+    code = ("import sys, aotbuild, aotbuild.runtime; print(sorted(m for m in ('peft', 'diffusers', 'torchao', "
+            "'aotbuild.builder', 'torch._dynamo') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

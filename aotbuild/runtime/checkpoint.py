@@ -13,6 +13,7 @@ torchao), so a serving machine needs no torchao.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,20 +39,26 @@ def dequantize_int8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return (data.reshape(data.shape[0], -1).to(torch.float32) * scale).to(dtype).reshape(data.shape)
 
 
-# Quant recipes whose weights can be made again from float weights outside torchao.
-REQUANTIZERS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
-    "int8_dynamic": int8_per_row,
-    "int8_weight_only": int8_per_row,
-}
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a recipe's weights are made from float weights, and read back."""
+
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
-def requantizer(recipe: str | None, component: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+INT8_PER_ROW = QuantScheme(int8_per_row, dequantize_int8)
+# Quant recipes whose weights can be made again outside torchao (other weights, LoRA merges).
+SCHEMES: dict[str, QuantScheme] = {"int8_dynamic": INT8_PER_ROW, "int8_weight_only": INT8_PER_ROW}
+
+
+def quant_scheme(recipe: str | None, component: str) -> QuantScheme:
     try:
-        return REQUANTIZERS[recipe]
+        return SCHEMES[recipe]
     except KeyError:
         raise AotbuildError(
             f"{component}: this artifact's weights are quantized with the {recipe!r} recipe, which aotbuild can "
-            f"only build, not redo at load: other weights and LoRAs need {' or '.join(REQUANTIZERS)}",
+            f"only build, not redo at load: other weights and LoRAs need {' or '.join(SCHEMES)}",
             hint="build the artifact from these weights instead") from None
 
 
@@ -116,7 +123,7 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
                 data = expected[f"{layer}{QUANTIZED}0"]
                 weight = conform(component, f"{layer}.weight", source(f"{layer}.weight"),
                                  torch.empty(data.shape, dtype=dtype, device="meta"), device)
-                quantized[layer] = requantizer(recipe, component)(weight)
+                quantized[layer] = quant_scheme(recipe, component).quantize(weight)
             got = quantized[layer][int(fqn[-1])]
         elif fqn in tensors or fused_members(fqn) is not None or fqn.endswith((".weight", ".bias")):
             got = source(fqn)

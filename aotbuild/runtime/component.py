@@ -51,6 +51,7 @@ class CompiledComponent(torch.nn.Module):
         self._lora = None  # lora.LoraState, made by the first LoRA call
         self._leaf_paths = {leaf["path"] for v in variants for leaf in v.inputs}
         self._dtype = DTYPES[entry["dtype"]]
+        self._recipe = entry.get("quantize")  # the quant recipe of its weights, if any
         self._device = device
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
@@ -91,7 +92,8 @@ class CompiledComponent(torch.nn.Module):
         from .lora import LoraState
 
         if self._lora is None:
-            self._lora = LoraState(self.config, self._dtype, self._device, self._weights, self.rebind)
+            self._lora = LoraState(self.config, self._dtype, self._device, self._weights, self.rebind,
+                                   self._recipe)
             self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
         return self._lora
 

@@ -86,6 +86,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     modules = {}
     pool = GraphPool(device) if cuda_graphs else None
     spec = pipeline_spec(manifest["target"]["pipeline"])
+    recipe = manifest["target"]["optimize"].get("quantize")
     for name, entry in manifest["components"].items():
         _import_custom_ops(entry.get("custom_ops", []))
         layouts = entry["constants"].get("layouts", {})
@@ -96,15 +97,16 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
             tensors = checkpoint_constants(
                 name, module_tensors(spec.component(name).export_module(source)),
                 load_weights(folder / entry["weights"], torch.device("cpu"), layouts, read_ahead=False),
-                DTYPES[entry["dtype"]], manifest["target"]["optimize"].get("quantize"), device)
+                DTYPES[entry["dtype"]], recipe, device)
         package = folder / entry["package"]
         sha256 = hashed.get(entry["package"]) or sha256_file(package)  # the cache is keyed by checked hashes
         lock = threading.RLock()
         variants = [CompiledVariant(package, v, device, tensors, sha256, layouts, pool, lock)
                     for v in entry["variants"]]
         cls = lora_component_class(CompiledComponent) if spec.component(name).lora else CompiledComponent
-        modules[entry["attribute"]] = cls(name, {**entry, "pipeline": manifest["target"]["pipeline"]}, variants,
-                                          tensors, device, eager=(eager or {}).get(name), lock=lock)
+        described = {**entry, "pipeline": manifest["target"]["pipeline"], "quantize": recipe}
+        modules[entry["attribute"]] = cls(name, described, variants, tensors, device, eager=(eager or {}).get(name),
+                                          lock=lock)
     return manifest, modules
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import AotbuildError
 from ..optimize import FUSED_PROJECTIONS
-from .checkpoint import QUANTIZED, child, dequantize_int8, int8_per_row
+from .checkpoint import QUANTIZED, SCHEMES, child
 
 # The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
 SCALE_KWARGS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
@@ -58,7 +58,7 @@ class LoraState:
     """The LoRA adapters of one compiled component and the merged weights bound for them."""
 
     def __init__(self, config: dict[str, Any], dtype: torch.dtype, device: torch.device,
-                 base: dict[str, torch.Tensor], rebind: Any) -> None:
+                 base: dict[str, torch.Tensor], rebind: Any, recipe: str | None = None) -> None:
         import diffusers
 
         cls = getattr(diffusers, config["_class_name"])
@@ -66,6 +66,7 @@ class LoraState:
             shell = cls.from_config(dict(config))
         self.shell = torch.nn.Module.to(shell, dtype).eval()  # ModelMixin.to warns about fp32 modules: none here
         self._dtype, self._device, self._base, self._rebind = dtype, device, base, rebind
+        self._recipe, self._scheme = recipe, SCHEMES.get(recipe)  # None: no quantized weight can be merged
         self._generation: dict[str, int] = {}  # adapter -> which load made it (a name can be reused)
         self._layers: list[tuple[str, Any]] = []
         self._placements: dict[str, tuple[Placement, ...]] = {}
@@ -126,6 +127,9 @@ class LoraState:
                 kinds.add("LoRA biases")
             if not self.placements(path, layer):
                 missing.append(path)
+            elif self._scheme is None and any(QUANTIZED in p.fqn for p in self.placements(path, layer)):
+                kinds.add(f"the weights it touches are quantized with {self._recipe!r}, which aotbuild cannot redo "
+                          f"at load")
         if missing:
             kinds.add(f"it targets modules the compiled code does not have: {', '.join(missing[:5])}"
                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
@@ -229,10 +233,10 @@ class LoraState:
         for (start, stop), in_order in by_rows.items():
             rows = slice(start, stop)
             if quantized:
-                weight = dequantize_int8(base[rows], self._base[scale_fqn][rows], self._dtype)
+                weight = self._scheme.dequantize(base[rows], self._base[scale_fqn][rows], self._dtype)
                 for update in in_order:
                     update.add(weight, weight)
-                buffer[rows], self._buffer(scale_fqn)[rows] = int8_per_row(weight)
+                buffer[rows], self._buffer(scale_fqn)[rows] = self._scheme.quantize(weight)
             else:
                 source = base[rows]
                 for update in in_order:
