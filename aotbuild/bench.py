@@ -51,9 +51,11 @@ FIGURES = {
     "peak_rss_mib": "peak RSS",
     "peak_cuda_mib": "peak CUDA memory",
     "artifact_mib": "artifact bytes",
-    "lora_switch_s": "LoRA A -> B: load B (page cache dropped), activate it, delete A, merge and bind (aot-lora)",
-    "lora_floor_s": "reading that LoRA file cold plus one copy of the weights it touches (aot-lora)",
+    "lora_switch_s": "LoRA A -> B with diffusers' hotswap=True: read B (page cache dropped), merge, bind (aot-lora)",
+    "lora_load_switch_s": "LoRA A -> B as a new adapter: load it, activate it, delete A, merge, bind (aot-lora)",
+    "lora_floor_s": "reading the LoRA file cold plus one copy of the weights it touches (aot-lora)",
     "lora_switch_over_floor": "lora_switch_s / lora_floor_s, median of per-switch ratios (aot-lora)",
+    "lora_load_switch_over_floor": "lora_load_switch_s / lora_floor_s (aot-lora)",
     "lora_touched_mib": "bytes of the constants a LoRA touches (aot-lora)",
     "lora_rss_mib": "RSS added by loading LoRAs and switching between them (aot-lora)",
     "lora_new_files": "files the switches added to the inductor and package caches: compiles or extractions (aot-lora)",
@@ -342,7 +344,9 @@ def _files_under(*folders: Path) -> int:
 
 
 def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
-    """Switch between two random LoRAs `LORA_SWITCHES` times, each switch timed against its floor."""
+    """Switch between two random LoRAs `LORA_SWITCHES` times each way, every switch timed against
+    its floor: diffusers' fast switch (`hotswap=True`: the new matrices copied into the active
+    adapter) and a switch to a newly loaded adapter (peft injects its layers, the old one deleted)."""
     import torch
     from safetensors.torch import load_file
 
@@ -352,28 +356,44 @@ def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
     files = [random_lora(pipe, attribute, work / f"lora{i}.safetensors", seed=i) for i in (0, 1)]
     caches = (Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", work / "none")), package_cache_dir())
     files_before, rss_before = _files_under(*caches), _rss_mib()
-    pipe.load_lora_weights(files[0], adapter_name="lora0")
+    pipe.load_lora_weights(files[0], adapter_name="lora")
     denoiser.update_weights()
     touched = [denoiser.weights[fqn] for fqn in denoiser._lora._merged]
     scratch = torch.empty(max(t.numel() for t in touched), dtype=touched[0].dtype, device=touched[0].device)
-    switches, floors = [], []
-    for i in range(1, LORA_SWITCHES + 1):
-        new, old = files[i % 2], f"lora{(i - 1) % 2}"
-        drop_page_cache([new])
+
+    def timed(switch: Any, path: Path) -> float:
+        drop_page_cache([path])
         start = time.perf_counter()
-        pipe.load_lora_weights(new, adapter_name=f"lora{i % 2}")
-        pipe.set_adapters(f"lora{i % 2}")
-        pipe.delete_adapters(old)
+        switch(path)
         denoiser.update_weights()
-        switches.append(time.perf_counter() - start)
-        drop_page_cache([new])
+        return time.perf_counter() - start
+
+    def floor(path: Path) -> float:
+        drop_page_cache([path])
         start = time.perf_counter()
-        load_file(os.fspath(new))
+        load_file(os.fspath(path))
         for tensor in touched:
             scratch[: tensor.numel()].view(tensor.shape).copy_(tensor)
-        floors.append(time.perf_counter() - start)
-    return {"lora_switch_s": statistics.median(switches), "lora_floor_s": statistics.median(floors),
-            "lora_switch_over_floor": statistics.median(s / f for s, f in zip(switches, floors, strict=True)),
+        return time.perf_counter() - start
+
+    def to_new_adapter(path: Path) -> None:
+        current = pipe.get_active_adapters()[0]
+        pipe.load_lora_weights(path, adapter_name=f"{current}+")
+        pipe.set_adapters(f"{current}+")
+        pipe.delete_adapters(current)
+
+    hotswaps, loads, floors = [], [], []
+    for i in range(1, LORA_SWITCHES + 1):
+        hotswaps.append(timed(lambda path: pipe.load_lora_weights(path, adapter_name="lora", hotswap=True),
+                              files[i % 2]))
+        floors.append(floor(files[i % 2]))
+    for i in range(1, LORA_SWITCHES + 1):
+        loads.append(timed(to_new_adapter, files[i % 2]))
+    median_floor = statistics.median(floors)
+    return {"lora_switch_s": statistics.median(hotswaps), "lora_load_switch_s": statistics.median(loads),
+            "lora_floor_s": median_floor,
+            "lora_switch_over_floor": statistics.median(h / f for h, f in zip(hotswaps, floors, strict=True)),
+            "lora_load_switch_over_floor": statistics.median(loads) / median_floor,
             "lora_touched_mib": sum(t.numel() * t.element_size() for t in touched) / 2**20,
             "lora_rss_mib": _rss_mib() - rss_before, "lora_new_files": _files_under(*caches) - files_before}
 

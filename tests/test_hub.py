@@ -261,6 +261,22 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
     online = np.load(out)
     np.testing.assert_allclose(online, expected, atol=BF16_IMAGE_ATOL, rtol=0)
 
+    # Another checkpoint of the architecture on the Hub: its weights go through the bfloat16 recipe.
+    import aotbuild
+
+    finetune, finetune_folder = "aotbuild-test/tiny-sdxl-finetune", tmp_path / "finetune"
+    eager_pipeline(tiny_target, seed=7).save_pretrained(finetune_folder)
+    api.create_repo(finetune)
+    finetune_revision = api.upload_folder(repo_id=finetune, folder_path=finetune_folder).oid
+    pipe = aotbuild.load_pipeline(result.folder, weights=f"{finetune}@{finetune_revision}")
+    assert pipe.vae.weights["decoder.conv_in.weight"].dtype == torch.bfloat16
+    reference = StableDiffusionXLPipeline.from_pretrained(finetune_folder, torch_dtype=torch.bfloat16)
+    reference.set_progress_bar_config(disable=True)
+    images = [p("a red fox in the snow", num_inference_steps=2, height=64, width=64, guidance_scale=5.0,
+                output_type="np", generator=torch.Generator("cpu").manual_seed(0)).images for p in (pipe, reference)]
+    np.testing.assert_allclose(images[0], images[1], atol=BF16_IMAGE_ATOL, rtol=0)
+    assert np.abs(images[0] - online).max() > 0.05  # not the artifact's weights
+
     hub.stop()
     offline = subprocess.run([sys.executable, "-c", script, str(result.folder), str(out)], capture_output=True,
                              text=True, env={**env, "HF_HUB_OFFLINE": "1"})

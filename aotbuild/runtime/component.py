@@ -77,7 +77,9 @@ class CompiledComponent(torch.nn.Module):
 
     def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Bind `tensors` (by FQN, each like the base constant it replaces: shape, dtype, strides,
-        device) for the next call, in every variant at once."""
+        device) for the next call, in every variant at once, by pointer: writing into a bound
+        tensor later changes the next call too. torch 2.13 keeps a reference to every tensor ever
+        bound (pytorch#194480): bind few distinct tensors and write new values into them."""
         for fqn, tensor in tensors.items():
             base = self._weights.get(fqn)
             if base is None or not _same_layout(tensor, base):

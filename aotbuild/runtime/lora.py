@@ -69,6 +69,7 @@ class LoraState:
         self._recipe, self._scheme = recipe, SCHEMES.get(recipe)  # None: no quantized weight can be merged
         self._generation: dict[str, int] = {}  # adapter -> which load made it (a name can be reused)
         self._layers: list[tuple[str, Any]] = []
+        self._other_tuners: list[Any] = []
         self._placements: dict[str, tuple[Placement, ...]] = {}
         self._buffers: dict[str, torch.Tensor] = {}  # merge buffer per constant, kept once allocated
         self._merged: set[str] = set()  # constants bound to their merge buffer now
@@ -80,11 +81,12 @@ class LoraState:
         """diffusers' `load_lora_adapter` on the shell, keeping the LoRA matrices real: peft puts
         new adapters on the device of the layer they wrap, here meta, so the tensors diffusers
         hands to `load_state_dict` are caught and put back. A LoRA the compiled code cannot apply
-        exactly is removed again and refused."""
-        if kwargs.get("hotswap"):
-            raise AotbuildError("hotswap=True is for torch.compile'd models; a compiled aotbuild model switches "
-                                "adapters without recompiling",
-                                hint="load the new adapter under its own adapter_name, or delete the old one first")
+        exactly is removed again and refused. `hotswap=True` (diffusers' fast switch) copies the new
+        matrices into an existing adapter's, which stay real."""
+        if kwargs.get("hotswap"):  # new matrices copied into an adapter's own: no new layers
+            self.shell.load_lora_adapter(source, **kwargs)
+            self._generation[kwargs["adapter_name"]] = next(_generations)  # same name, new values
+            return
         caught: dict[str, torch.Tensor] = {}
         load_state_dict = self.shell.load_state_dict
 
@@ -117,6 +119,8 @@ class LoraState:
 
     def _unsupported(self, adapters: list[str]) -> str:
         missing, kinds = [], set()
+        if self._other_tuners:
+            kinds.add(f"{type(self._other_tuners[0]).__name__} layers are not LoRA (a low-rank update)")
         for path, layer in self._layers:
             mine = [a for a in adapters if a in layer.lora_A]
             if not mine:
@@ -137,9 +141,12 @@ class LoraState:
 
     def refresh(self) -> None:
         """Re-list the peft layers (after adapters were added or removed)."""
+        from peft.tuners.lora import LoraLayer
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        self._layers = [(name, m) for name, m in self.shell.named_modules() if isinstance(m, BaseTunerLayer)]
+        tuners = [(name, m) for name, m in self.shell.named_modules() if isinstance(m, BaseTunerLayer)]
+        self._layers = [(name, m) for name, m in tuners if isinstance(m, LoraLayer)]
+        self._other_tuners = [m for _, m in tuners if not isinstance(m, LoraLayer)]  # LoKr and the like
         self._generation = {a: g for a, g in self._generation.items() if a in getattr(self.shell, "peft_config", {})}
 
     def placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
@@ -180,7 +187,7 @@ class LoraState:
         return [(a, call_scale) for a in layer.active_adapters if a in layer.lora_A]
 
     def _state(self, call_scale: float) -> tuple:
-        return tuple((path, tuple((a, self._generation.get(a), layer.scaling[a], factor)
+        return tuple((path, tuple((a, self._generation.get(a), float(layer.scaling[a]), factor)
                                   for a, factor in self._adapters(layer, call_scale)))
                      for path, layer in self._layers)
 
@@ -207,10 +214,13 @@ class LoraState:
         with torch.no_grad():
             for fqn, by_rows in updates.items():
                 bind.update(self._merge(fqn, by_rows))
-        for fqn in self._merged - set(bind):  # no adapter touches it any more: the base again
+        merged = set(bind)
+        for fqn in self._merged - merged:  # no adapter touches it any more: the base again
             bind[fqn] = self._base[fqn]
-        self._rebind(bind)
-        self._merged = {fqn for fqn, tensor in bind.items() if tensor is not self._base.get(fqn)}
+        # Buffers bound before were written in place: only new pointers are bound (a captured CUDA
+        # graph is captured again only then).
+        self._rebind({fqn: tensor for fqn, tensor in bind.items() if fqn not in self._merged or fqn not in merged})
+        self._merged = merged
         self._bound_state = state
 
     def _buffer(self, fqn: str) -> torch.Tensor:
@@ -278,7 +288,7 @@ def _untouched(size: int, ranges: list[tuple[int, int]]) -> list[slice]:
 # Methods of diffusers' PeftAdapterMixin a pipeline calls on its denoiser, run on the shell.
 SHELL_METHODS = ("set_adapters", "set_adapter", "fuse_lora", "unfuse_lora", "unload_lora", "disable_lora",
                  "enable_lora", "delete_adapters", "active_adapters", "disable_adapters", "enable_adapters",
-                 "set_lora_device")
+                 "set_lora_device", "enable_lora_hotswap")
 
 
 @functools.cache
@@ -313,9 +323,6 @@ def lora_component_class(base: type) -> type:
             if self._lora is not None:
                 self._lora.sync(1.0)
 
-    def enable_lora_hotswap(self: Any, **kwargs: Any) -> None:
-        """Not needed: a compiled aotbuild model switches adapters without recompiling."""
-
     def peft_config(self: Any) -> dict:
         if self._lora is None:
             raise AttributeError("peft_config")
@@ -323,5 +330,5 @@ def lora_component_class(base: type) -> type:
 
     methods = {name: on_shell(name) for name in SHELL_METHODS}
     methods.update(load_lora_adapter=load_lora_adapter, update_weights=update_weights,
-                   enable_lora_hotswap=enable_lora_hotswap, peft_config=property(peft_config))
+                   peft_config=property(peft_config))
     return type(base.__name__, (base, ModelMixin), methods)
