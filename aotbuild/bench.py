@@ -57,7 +57,8 @@ FIGURES = {
     "lora_switch_over_floor": "lora_switch_s / lora_floor_s, median of per-switch ratios (aot-lora)",
     "lora_load_switch_over_floor": "lora_load_switch_s / lora_floor_s (aot-lora)",
     "lora_touched_mib": "bytes of the constants a LoRA touches (aot-lora)",
-    "lora_rss_mib": "RSS added by loading LoRAs and switching between them (aot-lora)",
+    "lora_buffers_mib": "merge buffers the LoRAs added: one per touched constant, reused by every switch (aot-lora)",
+    "lora_rss_mib": "RSS added by loading LoRAs and switching (freed heap pages are reused: can be less) (aot-lora)",
     "lora_new_files": "files the switches added to the inductor and package caches: compiles or extractions (aot-lora)",
 }
 BENCH_NAME = "bench.json"
@@ -395,6 +396,7 @@ def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
             "lora_switch_over_floor": statistics.median(h / f for h, f in zip(hotswaps, floors, strict=True)),
             "lora_load_switch_over_floor": statistics.median(loads) / median_floor,
             "lora_touched_mib": sum(t.numel() * t.element_size() for t in touched) / 2**20,
+            "lora_buffers_mib": sum(b.numel() * b.element_size() for b in denoiser._lora._buffers.values()) / 2**20,
             "lora_rss_mib": _rss_mib() - rss_before, "lora_new_files": _files_under(*caches) - files_before}
 
 
