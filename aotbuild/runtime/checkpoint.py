@@ -111,8 +111,8 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
         if fused is not None:
             path, members, kind = fused
             return torch.cat([source(child(path, member, kind)) for member in members])
-        raise WeightsMismatchError(f"{component}: the weights have no tensor {name!r}, which the compiled "
-                                        f"code reads: another architecture than the artifact's")
+        raise WeightsMismatchError(f"{component}: the weights have no tensor {name!r}, which the compiled code "
+                                   f"reads: another architecture than the artifact's")
 
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     result = {}
@@ -133,8 +133,8 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
     unread = sorted(set(tensors) - used)
     if unread:
         raise WeightsMismatchError(f"{component}: the weights have tensors the compiled code does not read, "
-                                        f"first {unread[0]!r} {list(tensors[unread[0]].shape)}: another "
-                                        f"architecture than the artifact's ({len(unread)} such tensors)")
+                                   f"first {unread[0]!r} {list(tensors[unread[0]].shape)}: another architecture "
+                                   f"than the artifact's ({len(unread)} such tensors)")
     return result
 
 
