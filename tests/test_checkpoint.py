@@ -10,6 +10,7 @@ import torch
 
 from aotbuild.backends import parse_lora
 from aotbuild.errors import AotbuildError, IncompatibleArtifactError
+from aotbuild.optimize import FUSED_PROJECTIONS
 from aotbuild.runtime.checkpoint import checkpoint_constants, dequantize_int8, int8_per_row, module_tensors
 from aotbuild.runtime.lora import pop_scale
 
@@ -102,3 +103,41 @@ def test_the_runtime_imports_no_lora_or_build_code():
     code = ("import sys, aotbuild, aotbuild.runtime; print(sorted(m for m in ('peft', 'diffusers', 'torchao', "
             "'aotbuild.builder', 'torch._dynamo') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+@pytest.mark.parametrize(("target_name", "fused_kinds"), [
+    ("cpu-tiny-sdxl", {"to_qkv", "to_kv"}),         # self-attention, and cross-attention's k/v
+    ("cpu-tiny-sd3", {"to_qkv", "to_added_qkv"}),   # joint attention's context projections
+])
+def test_lora_rows_land_where_fuse_qkv_put_their_projections(target_name, fused_kinds, tmp_path):
+    """The merge into fused projections (no compile): the LoRA state's bound constants equal eager
+    diffusers' own result of fusing the LoRA, then fusing QKV."""
+    from aotbuild.runtime.lora import LoraState
+    from aotbuild.targets import load_target
+
+    from .conftest import TARGETS, eager_pipeline, make_lora
+
+    pipe = eager_pipeline(load_target(TARGETS / f"{target_name}.toml"))
+    attribute = "unet" if hasattr(pipe, "unet") else "transformer"
+    model = getattr(pipe, attribute)
+    lora = make_lora(pipe, tmp_path / "A", seed=1)
+    fused = copy.deepcopy(model)
+    fused.fuse_qkv_projections()
+    base = module_tensors(fused)
+    base = {k: v for k, v in base.items()  # what an artifact stores: the members fuse_qkv replaced are gone
+            if not any(k.endswith(f".{m}.{kind}") and f"{k.rsplit('.', 2)[0]}.{fuse}.{kind}" in base
+                       for fuse, members in FUSED_PROJECTIONS.items() for m in members for kind in ("weight", "bias"))}
+    bound: dict[str, torch.Tensor] = {}
+    state = LoraState(dict(model.config), torch.float32, torch.device("cpu"), base, bound.update)
+    state.load(lora, prefix=attribute, adapter_name="A")
+    state.sync(1.0)
+
+    model.load_lora_adapter(lora, prefix=attribute, adapter_name="A")
+    model.fuse_lora()
+    model.unload_lora()
+    model.fuse_qkv_projections()
+    expected = module_tensors(model)
+    assert {k.rsplit(".", 2)[1] for k in bound} >= fused_kinds
+    for fqn, tensor in bound.items():
+        torch.testing.assert_close(tensor, expected[fqn], atol=1e-6, rtol=1e-5, msg=fqn)
+        assert not torch.equal(tensor, base[fqn]), fqn

@@ -87,6 +87,8 @@ class LoraState:
             self.shell.load_lora_adapter(source, **kwargs)
             self._generation[kwargs["adapter_name"]] = next(_generations)  # same name, new values
             return
+        # Assigned, not copied into the shell's meta tensors (a copy into meta warns, and is lost).
+        kwargs.setdefault("low_cpu_mem_usage", True)
         caught: dict[str, torch.Tensor] = {}
         load_state_dict = self.shell.load_state_dict
 
