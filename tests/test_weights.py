@@ -3,6 +3,8 @@ the eager pipeline given the same weights and calls (tiny SDXL, float32 recipe).
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import aotbuild
-from aotbuild.errors import AotbuildError, IncompatibleArtifactError
+from aotbuild.errors import AotbuildError, IncompatibleArtifactError, SourceError
 from aotbuild.targets import ShapeBucket
 
 from .conftest import eager_pipeline, generate, make_lora
@@ -187,6 +189,22 @@ def test_finetuned_weights_through_apply_and_load_pipeline(built, tiny_target, t
 
     loaded = aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune")
     np.testing.assert_allclose(generate(loaded, BUCKET), expected, atol=ATOL, rtol=0)
+
+    # the compiled components from the fine-tune, the others from another source (the seed-0 pipeline)
+    original = eager_pipeline(tiny_target)
+    original.save_pretrained(tmp_path / "original")
+    original.unet, original.vae = eager_pipeline(tiny_target, seed=7).unet, eager_pipeline(tiny_target, seed=7).vae
+    mixed = aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune", source=tmp_path / "original")
+    np.testing.assert_allclose(generate(mixed, BUCKET), generate(original, BUCKET), atol=ATOL, rtol=0)
+
+    index = json.loads((tmp_path / "original" / "model_index.json").read_text())
+    (tmp_path / "original" / "model_index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "vae"}))
+    shutil.rmtree(tmp_path / "original" / "vae")
+    with pytest.raises(SourceError, match=r"weights '.*original' have no vae, which this artifact compiles"):
+        aotbuild.load_pipeline(built.folder, weights=tmp_path / "original")
+    single = tmp_path / "finetune" / "unet" / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(SourceError, match=r"is a single file; weights= takes a diffusers folder or a Hub id"):
+        aotbuild.load_pipeline(built.folder, weights=single)
 
     # weights="artifact": the artifact's (seed 0) whatever the pipeline's compiled modules hold
     pipe = eager_pipeline(tiny_target)

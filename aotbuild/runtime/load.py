@@ -225,9 +225,13 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     compiled = {entry["attribute"] for entry in manifest["components"].values()}
     checkpoint = None
     if weights is not None:
-        weights_folder = _resolve_source(weights, manifest, skip=set() if source is None else None)
-        others_in_it = set(component_classes(weights_folder)) - compiled
-        checkpoint = load_source_components(weights_folder, seed=None, skip=others_in_it,
+        weights_folder = _resolve_source(weights, manifest, skip=set())
+        missing = sorted(compiled - set(component_classes(weights_folder)))
+        if missing:
+            raise SourceError(f"weights {os.fspath(weights)!r} have no {', '.join(missing)}, which this artifact "
+                              f"compiles")
+        checkpoint = load_source_components(weights_folder, seed=None,
+                                            skip=set(component_classes(weights_folder)) - compiled,
                                             dtype=DTYPES[target["dtype"]])
         source = weights if source is None else source
     manifest, modules = load_components(
@@ -241,17 +245,15 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
 
 
-def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str] | None) -> Path:
+def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str]) -> Path:
     """A user's source: a local diffusers folder, or a Hub id with an optional @revision,
-    downloaded without the `skip` components' weights (None: without the compiled ones)."""
+    downloaded without the `skip` components' weights."""
     from ..sources import resolve_folder
 
     text = os.fspath(text)
     if Path(text).expanduser().is_file():
         raise SourceError(f"{text} is a single file; weights= takes a diffusers folder or a Hub id",
                           hint="convert it first, e.g. diffusers' from_single_file(...).save_pretrained(folder)")
-    if skip is None:
-        skip = {entry["attribute"] for entry in manifest["components"].values()}
     repo, _, revision = (text, "", "") if Path(text).expanduser().exists() else text.partition("@")
     return resolve_folder(repo, revision or None, Path.cwd(), skip, dtype=manifest["target"]["dtype"])
 
