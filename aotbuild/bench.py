@@ -320,13 +320,13 @@ def _worker(args: argparse.Namespace) -> None:
 def random_lora(pipe: Any, attribute: str, path: Path, seed: int, rank: int = LORA_RANK) -> Path:
     """A random LoRA file in diffusers' PEFT format for the pipeline's compiled denoiser: rank
     `rank` on every attention projection (`LORA_TARGETS`), in the denoiser's dtype."""
-    import diffusers
     import torch
     from safetensors.torch import save_file
 
+    from .runtime.lora import meta_model
+
     denoiser = getattr(pipe, attribute)
-    with torch.device("meta"):
-        model = getattr(diffusers, denoiser.config["_class_name"]).from_config(dict(denoiser.config))
+    model = meta_model(denoiser.config, denoiser.dtype)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, module in model.named_modules():

@@ -49,7 +49,8 @@ def generate(pipe, bucket, steps: int = 2, seed: int = 0):
 
 def build_once(tmp_path_factory, target) -> SimpleNamespace:
     """Build `target` once per session into a fresh folder; AOTBUILD_TEST_ARTIFACTS names a folder
-    to keep builds in across sessions instead (a fresh artifact there is reused: for development)."""
+    to keep builds in across sessions instead (a fresh artifact there is reused, for development;
+    test_build_writes_complete_artifact then fails: no build ran, so no build progress was seen)."""
     from aotbuild.builder import build
 
     kept = os.environ.get("AOTBUILD_TEST_ARTIFACTS")

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import AotbuildError, WeightsMismatchError
 from ..optimize import FUSED_PROJECTIONS
-from .weights import same_strides
+from .weights import same_layout
 
 QUANTIZED = ".parametrizations.weight.original"  # torchao's unwrapped subclass: original0 data, original1 scale
 
@@ -145,7 +145,7 @@ def conform(component: str, fqn: str, got: torch.Tensor, want: torch.Tensor, dev
         raise WeightsMismatchError(
             f"{component}: tensor {fqn!r} is {list(got.shape)} {_name(got.dtype)} in the weights; the compiled code "
             f"reads {list(want.shape)} {_name(want.dtype)}: another architecture than the artifact's")
-    if got.dtype == want.dtype and got.device == device and same_strides(got, list(want.stride())):
+    if same_layout(got, want, device):
         return got
     return torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=device).copy_(got)
 

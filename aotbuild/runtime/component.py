@@ -17,7 +17,7 @@ from ..manifest import DTYPES
 from ..pipelines import pipeline_spec
 from .lora import pop_scale
 from .variant import CompiledVariant, leaf_name
-from .weights import same_strides
+from .weights import same_layout
 
 
 class Config(dict):
@@ -82,7 +82,7 @@ class CompiledComponent(torch.nn.Module):
         bound (pytorch#194480): bind few distinct tensors and write new values into them."""
         for fqn, tensor in tensors.items():
             base = self._weights.get(fqn)
-            if base is None or not _same_layout(tensor, base):
+            if base is None or not same_layout(tensor, base, base.device):
                 raise AotbuildError(f"{self.component_name}: cannot bind {fqn!r}: the compiled code reads "
                                     + (f"{list(base.shape)} {base.dtype} with strides {list(base.stride())} on "
                                        f"{base.device}" if base is not None else "no such constant"))
@@ -168,8 +168,3 @@ def _set_dotted(root: Any, dotted: str, value: Any) -> None:
             setattr(node, part, SimpleNamespace())
         node = getattr(node, part)
     setattr(node, leaf, value)
-
-
-def _same_layout(tensor: torch.Tensor, like: torch.Tensor) -> bool:
-    return (tensor.shape == like.shape and tensor.dtype == like.dtype and tensor.device == like.device
-            and same_strides(tensor, list(like.stride())))

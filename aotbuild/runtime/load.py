@@ -226,12 +226,12 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     checkpoint = None
     if weights is not None:
         weights_folder = _resolve_source(weights, manifest, skip=set())
-        missing = sorted(compiled - set(component_classes(weights_folder)))
+        in_folder = set(component_classes(weights_folder))
+        missing = sorted(compiled - in_folder)
         if missing:
             raise SourceError(f"weights {os.fspath(weights)!r} have no {', '.join(missing)}, which this artifact "
                               f"compiles")
-        checkpoint = load_source_components(weights_folder, seed=None,
-                                            skip=set(component_classes(weights_folder)) - compiled,
+        checkpoint = load_source_components(weights_folder, seed=None, skip=in_folder - compiled,
                                             dtype=DTYPES[target["dtype"]])
         source = weights if source is None else source
     manifest, modules = load_components(

@@ -54,17 +54,22 @@ def pop_scale(kwargs: dict[str, Any], traced: set[str]) -> float:
     return scale
 
 
+def meta_model(config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    """The diffusers model class a config names, built on the meta device: its module tree and
+    shapes, no weights, no memory."""
+    import diffusers
+
+    with torch.device("meta"):
+        model = getattr(diffusers, config["_class_name"]).from_config(dict(config))
+    return torch.nn.Module.to(model, dtype).eval()  # ModelMixin.to warns about fp32 modules: none here
+
+
 class LoraState:
     """The LoRA adapters of one compiled component and the merged weights bound for them."""
 
     def __init__(self, config: dict[str, Any], dtype: torch.dtype, device: torch.device,
                  base: dict[str, torch.Tensor], rebind: Any, recipe: str | None = None) -> None:
-        import diffusers
-
-        cls = getattr(diffusers, config["_class_name"])
-        with torch.device("meta"):
-            shell = cls.from_config(dict(config))
-        self.shell = torch.nn.Module.to(shell, dtype).eval()  # ModelMixin.to warns about fp32 modules: none here
+        self.shell = meta_model(config, dtype)
         self._dtype, self._device, self._base, self._rebind = dtype, device, base, rebind
         self._recipe, self._scheme = recipe, SCHEMES.get(recipe)  # None: no quantized weight can be merged
         self._generation: dict[str, int] = {}  # adapter -> which load made it (a name can be reused)

@@ -27,6 +27,13 @@ def same_strides(tensor: torch.Tensor, stride: list[int]) -> bool:
         size == 1 or got == want for size, got, want in zip(tensor.shape, tensor.stride(), stride, strict=True))
 
 
+def same_layout(tensor: torch.Tensor, like: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` can be bound where the compiled code reads `like`, on `device`, as it is:
+    the same shape, dtype and strides."""
+    return (tensor.shape == like.shape and tensor.dtype == like.dtype and tensor.device == device
+            and same_strides(tensor, list(like.stride())))
+
+
 def load_weights(path: Path, device: torch.device, layouts: dict[str, dict],
                  read_ahead: bool = True) -> dict[str, torch.Tensor]:
     """The constants of one component by FQN, each with the strides its compiled code reads.
