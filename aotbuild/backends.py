@@ -54,6 +54,23 @@ def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:
     return names
 
 
+def prepare_artifact(artifact: str, *, cuda_graphs: bool | None = None, weights: str | None = None,
+                     loras: list[tuple[str, float]] = ()) -> tuple[Any, dict[str, Any]]:
+    """A ready pipeline for an artifact folder or `hf://org/name[@revision]` (no target file
+    needed), and the target its manifest records."""
+    from .manifest import read_manifest
+    from .runtime import artifact_folder, load_pipeline
+
+    folder, _ = artifact_folder(artifact)
+    if not folder.is_dir():
+        raise AotbuildError(f"no artifact at {artifact}", hint="give an artifact folder or hf://org/name[@revision]")
+    manifest = read_manifest(folder)
+    pipe = load_pipeline(folder, cuda_graphs=cuda_graphs, weights=weights)
+    load_loras(pipe, list(loras))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, manifest["target"]
+
+
 def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: bool | None = None,
             weights: str | None = None, loras: list[tuple[str, float]] = ()) -> Any:
     """A ready pipeline for `target` run the `backend` way (`cuda_graphs`: aot only, None = as built).
@@ -105,8 +122,11 @@ class Generation:
 
 
 def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | None = None,
-             width: int | None = None, batch: int = 1, guidance_scale: float = 5.0) -> Generation:
-    """One image call, timing the first denoising step (the cost a cold start shows) and the total."""
+             width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
+             negative_prompt: str | None = None, image: Any = None, strength: float | None = None) -> Generation:
+    """One image call, timing the first denoising step (the cost a cold start shows) and the total.
+    With `image` (a PIL image), img2img: the pipeline's image-to-image sibling (`from_pipe`, sharing
+    its models) starts from it, resized to height x width; `strength` as diffusers takes it."""
     marks: list[float] = []
     # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
@@ -116,11 +136,25 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         marks.append(time.perf_counter())
         return kwargs
 
+    call: dict[str, Any] = {"num_inference_steps": steps, "num_images_per_prompt": batch,
+                            "guidance_scale": guidance_scale, "negative_prompt": negative_prompt}
+    if image is None:
+        call |= {"height": height, "width": width}
+    else:
+        from .runtime.load import quiet_libraries
+
+        with quiet_libraries():
+            from diffusers import AutoPipelineForImage2Image
+
+            pipe = AutoPipelineForImage2Image.from_pipe(pipe)
+        pipe.set_progress_bar_config(disable=True)
+        call["image"] = image.resize((width, height)) if height and width else image
+        if strength is not None:
+            call["strength"] = strength
     start = time.perf_counter()
     with torch.no_grad():
-        result = pipe(prompt, num_inference_steps=steps, height=height, width=width,
-                      num_images_per_prompt=batch, guidance_scale=guidance_scale,
-                      generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=on_step_end)
+        result = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=on_step_end,
+                      **call)
     total = time.perf_counter() - start
     ends = [start, *marks]
     return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total,

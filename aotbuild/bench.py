@@ -35,7 +35,10 @@ LORA_CASE = "aot-lora"
 LORA_RANK = 16
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 LORA_SWITCHES = 5
-EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE)
+# Opt-in: the first bucket's latents decoded whole (its bucket model) and by tiles (the tile model,
+# diffusers' tiling and blending), steady, in the same process.
+TILING_CASE = "aot-tiling"
+EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -60,6 +63,10 @@ FIGURES = {
     "lora_buffers_mib": "merge buffers the LoRAs added: one per touched constant, reused by every switch (aot-lora)",
     "lora_rss_mib": "RSS added by loading LoRAs and switching (freed heap pages are reused: can be less) (aot-lora)",
     "lora_new_files": "files the switches added to the inductor and package caches: compiles or extractions (aot-lora)",
+    "untiled_decode_s": "steady VAE decode of the first bucket's latents by its bucket model (aot-tiling)",
+    "tiled_decode_s": "the same latents with vae.enable_tiling(): tile model, diffusers' blending (aot-tiling)",
+    "tiled_over_untiled": "tiled_decode_s / untiled_decode_s, median of paired runs (aot-tiling)",
+    "tiles": "tiles per decode (aot-tiling)",
 }
 BENCH_NAME = "bench.json"
 
@@ -143,6 +150,11 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     for case in GRAPH_CASES:
         if case in cases and target.device != "cuda":
             raise AotbuildError(f"case {case} needs a CUDA target; {target.name} runs on {target.device}")
+    first = target.shapes[0]
+    if TILING_CASE in cases and ("vae_decoder" not in target.tiling
+                                 or max(first.height, first.width) <= _tile_pixels(target)):
+        raise AotbuildError(f"case {TILING_CASE} needs vae_decoder = {{ tiling = true }} and a first bucket larger "
+                            f"than a tile ({_tile_pixels(target)} px); {target.name} lacks one")
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
     folder = built_artifact(target, artifacts_dir)
@@ -237,7 +249,8 @@ def _weights_mib(pipe: Any) -> float:
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             tensors = list(component.parameters()) + list(component.buffers())
-            tensors += list(getattr(component, "_weights", {}).values())
+            for module in component.modules():  # the VAE stand-in holds its compiled parts as submodules
+                tensors += list(module.__dict__.get("_weights", {}).values())
             total += sum(t.numel() * t.element_size() for t in tensors)
     return total / 2**20
 
@@ -282,9 +295,12 @@ def _worker(args: argparse.Namespace) -> None:
     pipe = prepare(target, backend, Path(args.artifacts), cuda_graphs=GRAPH_CASES.get(args.case))
     load_s = time.perf_counter() - load_start - random_init_seconds()
     if args.case == "aot-dynamic":
+        from .runtime import CompiledComponent
+
         for component in pipe.components.values():
-            if hasattr(component, "variants"):
-                component.variants = [v for v in component.variants if v.name == "dynamic"]
+            for module in component.modules() if isinstance(component, torch.nn.Module) else ():
+                if isinstance(module, CompiledComponent):
+                    module.variants = [v for v in module.variants if v.name == "dynamic"]
     figures: dict[str, Any] = {"ready_s": since_spawn(), "load_s": load_s, "random_init_s": random_init_seconds(),
                                "load_rss_mib": _rss_mib() - rss_before, "weights_mib": _weights_mib(pipe)}
 
@@ -307,9 +323,11 @@ def _worker(args: argparse.Namespace) -> None:
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     figures["artifact_mib"] = figures["weights_read_s"] = figures["load_over_floor"] = None
-    figures.update(dict.fromkeys(f for f in FIGURES if f.startswith("lora_")))
+    figures.update(dict.fromkeys(f for f in FIGURES if f.startswith("lora_") or "tile" in f))
     if args.case == LORA_CASE:
         figures.update(_lora_switches(pipe, Path(args.out).parent / f"loras-{os.getpid()}"))
+    if args.case == TILING_CASE:
+        figures.update(_tiled_against_untiled(pipe, bucket, args.steady))
     if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
         figures["weights_read_s"] = _cold_read_s(sorted(artifact.glob("*.safetensors")))
@@ -398,6 +416,40 @@ def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
             "lora_touched_mib": sum(t.numel() * t.element_size() for t in touched) / 2**20,
             "lora_buffers_mib": sum(b.numel() * b.element_size() for b in denoiser._lora._buffers.values()) / 2**20,
             "lora_rss_mib": _rss_mib() - rss_before, "lora_new_files": _files_under(*caches) - files_before}
+
+
+def _tile_pixels(target: Any) -> int:
+    from .sources import local_folder, read_configs
+
+    folder = local_folder(target.source, target.base_dir)
+    size = read_configs(folder)["vae"]["sample_size"] if folder else 1024
+    return size[0] if isinstance(size, list) else size
+
+
+def _tiled_against_untiled(pipe: Any, bucket: Any, runs: int) -> dict[str, Any]:
+    """Decode the bucket's latents whole and by tiles, alternating, `runs` + 1 times each (the
+    first pair warms up); the same compiled pipeline, the same latents."""
+    import torch
+
+    vae = pipe.vae
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    latents = torch.randn(bucket.batch, vae.config.latent_channels, bucket.height // factor, bucket.width // factor,
+                          generator=torch.Generator().manual_seed(0))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(runs + 1):
+        for tiled in (False, True):
+            (vae.enable_tiling if tiled else vae.disable_tiling)()
+            start = time.perf_counter()
+            with torch.no_grad():
+                vae.decode(latents)
+            times[tiled].append(time.perf_counter() - start)
+    vae.disable_tiling()
+    untiled, tiled = times[False][1:], times[True][1:]
+    step = int(vae.tile_latent_min_size * (1 - vae.tile_overlap_factor))
+    tiles = len(range(0, latents.shape[2], step)) * len(range(0, latents.shape[3], step))
+    return {"untiled_decode_s": statistics.median(untiled), "tiled_decode_s": statistics.median(tiled),
+            "tiled_over_untiled": statistics.median(t / u for t, u in zip(tiled, untiled, strict=True)),
+            "tiles": tiles}
 
 
 def main(argv: list[str] | None = None) -> None:

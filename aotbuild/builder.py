@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import math
 import os
 import shutil
 import sys
@@ -187,41 +188,45 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize),
                                                multi_arch=bool(target.gpu and target.gpu.multi_arch),
                                                device=target.device)
-    points = _capture_points(target)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
         pipe = _load_pipeline(target, spec, torch.device("cpu"))  # _capture_all places the models
+    points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None))
     with stages("capture", "eager float32 reference"):
-        reference = _capture_all(pipe, spec, specs, target, list(points.values()), device, stages.progress)
-    examples = {name: reference[points[name]] for name in _export_points(points)}
+        reference = _capture_all(pipe, spec, specs, target, points, device, stages.progress)
+    export_points = {plan.points[0] for component in plans.values() for plan in component}
+    examples = {name: reference[name] for name in export_points}
     # The references wait on the host (validate moves each input back): only the export points'
     # calls stay on the device, as example inputs.
     reference = {point: {c: call.to("cpu") for c, call in calls.items()} for point, calls in reference.items()}
+    dims = {s.name: {plan.name: _variant_dims(s.name, plan, reference, points) for plan in plans[s.name]}
+            for s in specs}
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
-            optimized = _capture_all(pipe, spec, specs, target, [points[n] for n in examples], device,
+            optimized = _capture_all(pipe, spec, specs, target, {n: points[n] for n in examples}, device,
                                      stages.progress)
         examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
                         target.optimize, (call.args, call.kwargs)), call.output) for c, call in
-                        optimized[points[name]].items()}
+                        optimized[name].items()}
                     for name in examples}
         del optimized
     runtime = {"cuda_graphs": target.cuda_graphs, "scheduler": type(pipe.scheduler).__name__,
                # Not weights, but part of the recipe: where the scheduler keeps its sigmas (on CPU,
                # each step's sigma lookup costs no device sync; diffusers' Euler schedulers do this).
-               "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a"))}
+               "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a")),
+               "default_pixels": _default_pixels(pipe, spec, target)}
     # Compile needs only the modules being compiled and the example inputs on the device.
     _release_others(pipe, specs)
     del pipe
     _free_device_memory(device)
 
     components = {}
+    modes = _guidance_modes(target, spec)
     for s in specs:
-        dims = _dynamic_dims(s.name, reference, points, target) if target.dynamic else None
-        components[s.name] = _build_component(s, modules[s.name], target, examples, points, dims,
-                                              records["dtype"][s.name], inductor_options, out, stages)
+        components[s.name] = _build_component(s, modules[s.name], target, plans[s.name], examples, dims[s.name],
+                                              modes, records["dtype"][s.name], inductor_options, out, stages)
     del modules, examples  # validate binds the packaged weights: the eager copies go first
     _free_device_memory(device)
     if sources.is_random(target.source):
@@ -243,7 +248,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "timings": {},
     }
     with stages("validate", "compiled vs eager float32 on the captured inputs"):
-        _validate(out, manifest, reference, points, device, allow_drift)
+        _validate(out, manifest, reference, points, plans, device, allow_drift)
     manifest["files"] = {
         str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(out.rglob("*")) if p.is_file()
@@ -298,51 +303,150 @@ def _source_record(target: Target) -> dict[str, Any]:
             "seed": target.seed if sources.is_random(target.source) else None}
 
 
-def _capture_points(target: Target) -> dict[str, ShapeBucket]:
-    """Where to run the pipeline: each bucket (by variant name) and, for a dynamic target, the
-    range's corners and the probes that tell how each input dim follows batch/height/width."""
-    points = {variant_name(b): b for b in target.shapes}
+@dataclass(frozen=True)
+class CapturePoint:
+    """Where a capture runs the pipeline: images per prompt, pixel size, with guidance or without.
+    A tile point (`tile_of`) is one random call of that VAE part instead, at a tile's size."""
+
+    batch: int
+    height: int
+    width: int
+    guided: bool = True
+    tile_of: str | None = None
+
+    def __str__(self) -> str:
+        size = f"{self.batch}x{self.height}x{self.width}"
+        return f"{self.tile_of} tile {size}" if self.tile_of else size + ("" if self.guided else " unguided")
+
+
+@dataclass(frozen=True)
+class VariantPlan:
+    """One compiled model of a component: the capture points it serves, the first being the one it
+    is exported at (the largest call), and its kind: a `bucket`, the `dynamic` model, a `tile` model."""
+
+    name: str
+    kind: str
+    points: tuple[str, ...]
+    bucket: ShapeBucket | None = None
+    ranges: dict[str, Any] | None = None  # dynamic and tile: batch (images), height, width (pixels), stride
+
+
+def _guidance_modes(target: Target, spec: PipelineSpec) -> tuple[bool, ...]:
+    """The guidance of the captures, the first one's being the export point's (guided: the larger
+    denoiser batch). A pipeline whose denoiser batch ignores guidance is captured as configured."""
+    if not spec.cfg_batch:
+        return (True,)
+    return {"both": (True, False), "guided": (True,), "unguided": (False,)}[target.guidance]
+
+
+def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
+          vae: Any) -> tuple[dict[str, CapturePoint], dict[str, list[VariantPlan]]]:
+    """Every capture point by name, and every component's variants.
+
+    A bucket serves 1 to its batch of images: its model's batch dim spans the calls captured with
+    1 image and with the bucket's batch, and for a denoiser, with and without guidance (the calls
+    only differ in batch, so one model serves them all). The dynamic model spans its ranges and,
+    for a denoiser, both guidance batches. A tile model spans every tile `vae.enable_tiling()` cuts
+    from images of the target's stride."""
+    modes = _guidance_modes(target, spec)
+    points: dict[str, CapturePoint] = {}
+    plans: dict[str, list[VariantPlan]] = {s.name: [] for s in specs}
+    for bucket in target.shapes:
+        name = variant_name(bucket)
+        for guided in modes:
+            for images in sorted({bucket.batch, 1}, reverse=True):
+                suffix = ("" if images == bucket.batch else ":one") + ("" if guided == modes[0] else ":unguided")
+                points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided)
+        for s in specs:
+            served = [p for p in points if p.split(":")[0] == name
+                      and (s.denoiser or points[p].guided == modes[0])]
+            plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
     if target.dynamic:
         ranges = target.dynamic
-        points["dynamic:min"] = ShapeBucket(*(ranges[a][0] for a in shapes.AXES))
-        points["dynamic:max"] = ShapeBucket(*(ranges[a][1] for a in shapes.AXES))
-        for name, point in shapes.probe_points(ranges, target.stride).items():
-            points[f"dynamic:{name}"] = ShapeBucket(*point)
-    return points
+        corners = {"min": tuple(ranges[a][0] for a in shapes.AXES), "max": tuple(ranges[a][1] for a in shapes.AXES)}
+        for probe, size in {**corners, **shapes.probe_points(ranges, target.stride)}.items():
+            points[f"dynamic:{probe}"] = CapturePoint(*size, modes[0])
+        both = len(modes) > 1 and ranges["batch"][0] < ranges["batch"][1]  # else the batch dim is static
+        if both:
+            points["dynamic:min:unguided"] = CapturePoint(*corners["min"], False)
+        for s in specs:
+            served = ("dynamic:base", "dynamic:min", "dynamic:max", *(("dynamic:min:unguided",) if both and s.denoiser
+                                                                        else ()))
+            plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
+                                             ranges={**ranges, "stride": target.stride}))
+    largest = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
+    for s in specs:
+        if s.name in target.tiling:
+            ranges = _tile_ranges(s, vae, target.stride, largest)
+            corners = {"min": tuple(ranges[a][0] for a in shapes.AXES),
+                       "max": tuple(ranges[a][1] for a in shapes.AXES)}
+            for probe, size in {**corners, **shapes.probe_points(ranges, ranges["stride"])}.items():
+                points[f"tile:{s.name}:{probe}"] = CapturePoint(*size, tile_of=s.name)
+            served = tuple(f"tile:{s.name}:{probe}" for probe in ("base", "min", "max"))
+            plans[s.name].append(VariantPlan("tile", "tile", served, ranges=ranges))
+    return points, plans
 
 
-def _export_points(points: dict[str, ShapeBucket]) -> list[str]:
-    """The points each variant is exported at: every bucket, and the dynamic model's base probe."""
-    return [name for name in points if not name.startswith("dynamic:") or name == "dynamic:base"]
+def _tile_ranges(spec: ComponentSpec, vae: Any, stride: int, largest: int) -> dict[str, Any]:
+    """The tiles diffusers' tiled encode/decode cuts from images whose sides are multiples of
+    `stride` px: full tiles and the remainders at the edges, all multiples of the step between
+    tiles and the stride (pixels, batch in images)."""
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    if spec.part == "decoder":  # tiles are cut from latents
+        tile = vae.tile_latent_min_size
+        step = math.gcd(int(tile * (1 - vae.tile_overlap_factor)), stride // factor) * factor
+        tile *= factor
+    else:
+        tile = vae.tile_sample_min_size
+        step = math.gcd(int(tile * (1 - vae.tile_overlap_factor)), stride)
+        if step % factor:
+            raise BuildError(f"{spec.name}: tiles of {tile} px overlapping by {vae.tile_overlap_factor} leave edges "
+                             f"of {step} px, not a multiple of the VAE's factor {factor}")
+    return {"batch": [1, largest], "height": [step, tile], "width": [step, tile], "stride": step}
 
 
-def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, buckets: list[ShapeBucket],
-                 device: torch.device, progress: Progress) -> dict:
-    """{bucket: {component: CapturedCall}} from one pipeline call per distinct bucket.
+def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
+                 device: torch.device, progress: Progress) -> dict[str, dict[str, capture.CapturedCall]]:
+    """{point name: {component: CapturedCall}}: one pipeline call per distinct point for the
+    components the pipeline calls; random inputs for the others (the encoder) and for tiles.
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
     batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
     peak is the larger group, not the whole pipeline (full-size Flux in float32: T5-XXL 19 GB,
     the transformer 48 GB)."""
+    recorded = [s for s in specs if s.recorded]
+    runs = {(p.batch, p.height, p.width, p.guided) for p in points.values() if p.tile_of is None}
     models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     encoders = [m for n, m in models.items() if n.startswith("text_encoder")]
     others = [m for n, m in models.items() if not n.startswith("text_encoder")]
-    for module in encoders:
-        module.to(device)
-    embeds = {batch: capture.encode_prompt(pipe, spec, batch=batch, guidance_scale=target.guidance_scale,
-                                           device=device)
-              for batch in sorted({b.batch for b in buckets})}
-    for module in encoders:
-        module.to("cpu")
+    embeds = {}
+    if recorded and runs:
+        for module in encoders:
+            module.to(device)
+        embeds = {(batch, guided): capture.encode_prompt(pipe, spec, batch=batch, device=device,
+                                                         guidance_scale=target.guidance_scale if guided else 1.0)
+                  for batch, guided in sorted({(r[0], r[3]) for r in runs})}
+        for module in encoders:
+            module.to("cpu")
     for module in others:
         module.to(device)
-    calls: dict[ShapeBucket, dict] = {}
-    for bucket in buckets:
-        if bucket not in calls:
-            progress("capture", f"at {bucket} (batch x height x width)")
-            calls[bucket] = capture.capture_inputs(pipe, specs, batch=bucket.batch, height=bucket.height,
-                                                   width=bucket.width, guidance_scale=target.guidance_scale,
-                                                   prompt_embeds=embeds[bucket.batch])
+    runs_done: dict[tuple, dict] = {}
+    calls: dict[str, dict[str, capture.CapturedCall]] = {}
+    for name, point in points.items():
+        key = (point.batch, point.height, point.width, point.guided)
+        calls[name] = {}
+        if point.tile_of is None and recorded:  # capture_inputs records these only
+            if key not in runs_done:
+                progress("capture", f"at {point} (batch x height x width)")
+                extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
+                runs_done[key] = capture.capture_inputs(
+                    pipe, recorded, batch=point.batch, height=point.height, width=point.width,
+                    guidance_scale=target.guidance_scale if point.guided else 1.0, prompt_embeds=embeds[key[0], key[3]],
+                    extras=extras)
+            calls[name].update(runs_done[key])
+        for s in specs:
+            if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
+                calls[name][s.name] = capture.random_call(pipe, s, point.batch, point.height, point.width, device)
     return calls
 
 
@@ -350,37 +454,74 @@ def _tensor_shapes(call: capture.CapturedCall) -> list[list[int]]:
     return [list(leaf.shape) for leaf in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)]
 
 
-def _dynamic_dims(component: str, reference: dict, points: dict[str, ShapeBucket], target: Target) -> list:
-    """How each input dim of `component` follows (batch, height, width), from the reference captures."""
-    def at(name: str) -> list[list[int]]:
-        return _tensor_shapes(reference[points[name]][component])
-
-    probes = {name: at(f"dynamic:{name}") for name in ("base", *shapes.AXES)}
-    corners = {name: at(f"dynamic:{name}") for name in ("min", "max")}
-    probe_sizes = {name: tuple(getattr(points[f"dynamic:{name}"], a) for a in shapes.AXES) for name in probes}
-    return shapes.classify(probes, corners, probe_sizes, target.stride)
+def _call_batch(call: capture.CapturedCall) -> int:
+    """The batch of a call: the first dim of its first tensor (latents, images)."""
+    return _tensor_shapes(call)[0][0]
 
 
-def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, examples: dict,
-                     points: dict[str, ShapeBucket],
-                     dims: list | None, dtype: str, inductor_options: dict[str, Any], out: Path,
-                     stages: _Stages) -> dict[str, Any]:
-    """Export, compile and package every shape variant of one component; returns its manifest entry."""
+def _variant_dims(component: str, plan: VariantPlan, reference: dict,
+                  points: dict[str, CapturePoint]) -> tuple[list | None, list[int] | None]:
+    """(how each input dim follows the call's batch, height and width; the call batches served),
+    or (None, None) for a static model. Batch dims are in units of the call's batch."""
+    calls = [reference[p][component] for p in plan.points]
+    batches = [_call_batch(c) for c in calls]
+    call_batch = [min(batches), max(batches)]
+    if plan.kind == "bucket":
+        if call_batch[0] == call_batch[1]:
+            return None, None
+        high, low = calls[0], calls[batches.index(call_batch[0])]
+        probes = {"base": _tensor_shapes(high), "batch": _tensor_shapes(low)}
+        probes |= {"height": probes["base"], "width": probes["base"]}
+        sizes = {"base": (batches[0], 0, 0), "batch": (call_batch[0], 0, 0), "height": (batches[0], 0, 0),
+                 "width": (batches[0], 0, 0)}
+        return shapes.classify(probes, {"min": probes["base"], "max": probes["base"]}, sizes, 1), call_batch
+    prefix = plan.points[0].rsplit(":", 1)[0]
+
+    def at(probe: str) -> list[list[int]]:
+        return _tensor_shapes(reference[f"{prefix}:{probe}"][component])
+
+    probes = {probe: at(probe) for probe in ("base", *shapes.AXES)}
+    corners = {probe: at(probe) for probe in ("min", "max")}
+    sizes = {probe: (points[f"{prefix}:{probe}"].batch, points[f"{prefix}:{probe}"].height,
+                     points[f"{prefix}:{probe}"].width) for probe in probes}
+    dims = shapes.classify(probes, corners, sizes, plan.ranges["stride"])
+    return shapes.in_call_batches(dims), call_batch
+
+
+def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, plans: list[VariantPlan],
+                     examples: dict, dims: dict[str, tuple], modes: tuple[bool, ...], dtype: str,
+                     inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
+    """Export, compile and package every variant of one component; returns its manifest entry."""
     exported = spec.export_module(module).eval()
     programs, variants = {}, []
-    for name, calls in examples.items():
-        call = calls[spec.name]
-        entry: dict[str, Any] = {"name": "dynamic" if name == "dynamic:base" else name}
-        dynamic_shapes = None
-        if name == "dynamic:base":
-            dynamic_shapes = shapes.export_dynamic_shapes(exported, call.args, call.kwargs, dims, target.dynamic,
-                                                          target.stride)
-            entry["dynamic"] = {**target.dynamic, "stride": target.stride}
-            entry["inputs"] = _dynamic_signature(call, dims)
-        else:
-            bucket = points[name]
+    for plan in plans:
+        call = examples[plan.points[0]][spec.name]
+        leaf_dims, call_batch = dims[plan.name]
+        entry: dict[str, Any] = {"name": plan.name}
+        if plan.kind == "bucket":
+            bucket = plan.bucket
             entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width}
             entry["inputs"] = leaf_signature((call.args, call.kwargs))
+            if leaf_dims is not None:
+                tensor_dims = iter(leaf_dims)
+                for leaf in entry["inputs"]:
+                    if "shape" in leaf:
+                        leaf["dims"] = next(tensor_dims)
+        else:
+            entry["dynamic"] = dict(plan.ranges)
+            entry["inputs"] = _dynamic_signature(call, leaf_dims)
+        if call_batch is not None:
+            entry["call_batch"] = call_batch
+        if spec.denoiser and pipeline_spec(target.pipeline).cfg_batch:
+            served = {False if p.endswith(":unguided") else modes[0] for p in plan.points}
+            entry["guidance"] = [g for g, on in (("guided", True), ("unguided", False)) if on in served]
+        if plan.kind == "tile":
+            entry["tile"] = True
+        dynamic_shapes = None
+        if leaf_dims is not None:
+            ranges = {**(plan.ranges or {}), "batch": call_batch}
+            dynamic_shapes = shapes.export_dynamic_shapes(exported, call.args, call.kwargs, leaf_dims, ranges,
+                                                          (plan.ranges or {}).get("stride", 1))
         with stages("export", f"{spec.name} {entry['name']}"):
             programs[entry["name"]] = export.export_variant(exported, call.args, call.kwargs,
                                                             optimize.export_context(target.optimize), dynamic_shapes)
@@ -434,17 +575,37 @@ def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> 
     return pipe.to(device)
 
 
+def _default_pixels(pipe: Any, spec: PipelineSpec, target: Target) -> dict[str, int | None]:
+    """The size the pipeline makes when a call gives none ("native"), and the size the compiled
+    pipeline makes instead ("served"): the native one when a bucket or the dynamic range covers it
+    for one image, else the first square bucket (None: no square bucket, the caller must choose)."""
+    configs = {name: dict(m.config) for name, m in pipe.components.items()
+               if isinstance(getattr(m, "config", None), dict)}  # diffusers models' configs (FrozenDict)
+    native = spec.default_pixels(configs)
+    dynamic = target.dynamic
+    covered = any(b.height == b.width == native for b in target.shapes) or bool(
+        dynamic and not native % target.stride and all(dynamic[a][0] <= native <= dynamic[a][1]
+                                                       for a in ("height", "width")))
+    square = next((b.height for b in target.shapes if b.height == b.width), None)
+    return {"native": native, "served": native if covered else square}
+
+
 def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> tuple[dict, dict[str, Any]]:
     """Apply the target's dtype and passes: the compiled modules get the passes, the other models
-    (text encoders) the dtype, as a served pipeline would have them. Returns (modules, records)."""
+    (text encoders) the dtype, as a served pipeline would have them. Returns (modules, records).
+    The VAE's parts are one module: it gets each pass once, under its first part's name."""
     modules = {s.name: getattr(pipe, s.attribute) for s in specs}
-    compiled_ids = {id(m) for m in modules.values()}
+    first = {}
+    for name, module in modules.items():
+        first.setdefault(id(module), name)
+    unique = {name: modules[name] for name in first.values()}
     for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module) and id(component) not in compiled_ids:
+        if isinstance(component, torch.nn.Module) and id(component) not in first:
             component.to(DTYPES[target.dtype])
-    force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in modules.items()}
-    dtypes = optimize.apply_dtype(modules, target.dtype, force_upcast)
-    passes = optimize.apply_passes(modules, target.optimize, target.device)
+    force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in unique.items()}
+    dtypes = optimize.apply_dtype(unique, target.dtype, force_upcast)
+    dtypes = {name: dtypes[first[id(module)]] for name, module in modules.items()}
+    passes = optimize.apply_passes(unique, target.optimize, target.device)
     changes_inputs = any(d != "float32" for d in dtypes.values()) or bool(target.optimize)
     return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}
 
@@ -469,11 +630,12 @@ def _write_package(out: Path, package_file: str, weights_file: str, compiled: di
     return constants, layouts
 
 
-def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, ShapeBucket],
-              device: torch.device, allow_drift: bool) -> None:
+def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, CapturePoint],
+              plans: dict[str, list[VariantPlan]], device: torch.device, allow_drift: bool) -> None:
     """Run each compiled variant through the runtime's own loader on the float32 captured inputs
-    (cast to the variant's dtypes) and compare with the eager float32 output: a bucket at its
-    shape, the dynamic model at the range's min and max corners and its base point."""
+    (cast to the variant's dtypes) and compare with the eager float32 output at every point it
+    serves: a bucket with 1 image and its batch (and with and without guidance), the dynamic model
+    at the range's corners and its base point, a tile model at the smallest and largest tiles."""
     failures, graph_failures = [], []
     graph_pool = GraphPool(device) if manifest["runtime"]["cuda_graphs"] else None
     for name, entry in manifest["components"].items():
@@ -485,10 +647,10 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
         for variant_entry in entry["variants"]:
             variant = plain[variant_entry["name"]] = CompiledVariant(out / entry["package"], variant_entry, device,
                                                                      weights, package_sha, layouts)
-            checked = ["dynamic:min", "dynamic:base", "dynamic:max"] if "dynamic" in variant_entry else [variant.name]
+            checked = next(plan.points for plan in plans[name] if plan.name == variant.name)
             errors = {}
             for point in checked:
-                call = reference[points[point]][name]
+                call = reference[point][name]
                 leaves = variant.flatten(call.args, call.kwargs)
                 if leaves is None or not variant.accepts(leaves):
                     raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
@@ -507,7 +669,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                 failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
         if graph_pool is not None:
             graph_failures += _check_cuda_graphs(out / entry["package"], name, plain, weights, package_sha, layouts,
-                                                 reference, points, device, graph_pool)
+                                                 reference, device, graph_pool)
         # The bound weights stay on the device regardless: torch 2.13 never deletes its handle to a
         # user-managed constant (fixed upstream by pytorch#194480), so they live until the build ends.
         del plain, weights, variant
@@ -519,7 +681,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
 
 
 def _check_cuda_graphs(package: Path, component: str, plain: dict[str, CompiledVariant], weights: dict,
-                       package_sha: str, layouts: dict[str, dict], reference: dict, points: dict[str, ShapeBucket],
+                       package_sha: str, layouts: dict[str, dict], reference: dict,
                        device: torch.device, pool: GraphPool) -> list[str]:
     """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
     component captured into one shared pool, then each replayed on new random inputs. Records each
@@ -532,7 +694,7 @@ def _check_cuda_graphs(package: Path, component: str, plain: dict[str, CompiledV
     failures = []
     for fresh in (False, True):
         for name, model in graphed.items():
-            call = reference[points[name]][component]
+            call = reference[name][component]  # a bucket's export point is named after it
             leaves = [(path, torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
                        if fresh and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf)
                       for path, leaf in plain[name].flatten(call.args, call.kwargs)]

@@ -89,10 +89,13 @@ def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_sca
 
 def capture_inputs(
     pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
-    prompt_embeds: dict[str, torch.Tensor | None] | None = None,
+    prompt_embeds: dict[str, torch.Tensor | None] | None = None, extras: dict[str, Any] | None = None,
 ) -> dict[str, CapturedCall]:
-    """Run the pipeline once (one denoising step) at this shape and return each component's inputs;
-    from `prompt_embeds` (made by `encode_prompt` for `batch` images) when given."""
+    """Run the pipeline once (one denoising step) at this shape and return the inputs of each
+    component it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt`
+    for `batch` images) when given; `extras` are further arguments of the call (an inpainting
+    pipeline's image and mask)."""
+    specs = [s for s in specs if s.recorded]
     prompt: dict[str, Any] = {"prompt": PROMPT, "num_images_per_prompt": batch}
     if prompt_embeds is not None:
         prompt = {**prompt_embeds, "num_images_per_prompt": 1}
@@ -100,7 +103,7 @@ def capture_inputs(
         pipe(
             **prompt, height=height, width=width,
             num_inference_steps=1, guidance_scale=guidance_scale, output_type="np",
-            generator=torch.Generator("cpu").manual_seed(0),
+            generator=torch.Generator("cpu").manual_seed(0), **(extras or {}),
         )
     missing = [s.name for s in specs if s.name not in calls]
     if missing:
@@ -108,3 +111,18 @@ def capture_inputs(
 
         raise BuildError(f"the pipeline never called {', '.join(missing)} during capture")
     return calls
+
+
+def random_call(pipe: Any, spec: ComponentSpec, batch: int, height: int, width: int,
+                device: torch.device) -> CapturedCall:
+    """A call the text-to-image pipeline does not make (the VAE encoder, a tile), on random
+    inputs of this size in the module's dtype, seeded by the size, with the module's output."""
+    module = getattr(pipe, spec.attribute)
+    generator = torch.Generator("cpu").manual_seed(batch * 1_000_003 + height * 1009 + width)
+    args, kwargs = spec.random_call(module, batch, height, width, generator)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device=device, dtype=module.dtype),
+                                        (args, kwargs))
+    with torch.no_grad():
+        output = spec.export_module(module)(*args, **kwargs)
+    return CapturedCall(tuple(args), dict(kwargs), output.detach().clone())
+

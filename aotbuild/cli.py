@@ -47,8 +47,10 @@ def targets(targets_dir: Path | None) -> None:
         if t.dynamic:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
         runtime = ["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
+        runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")
+        components = ",".join(c + "[tiling]" * (c in t.tiling) for c in t.components)
         click.echo(f"{t.name:<20} {t.device:<5} {t.dtype:<9} {t.pipeline:<26} shapes={shapes} "
-                   f"components={','.join(t.components)}" + (f" {' '.join(runtime)}" if runtime else ""))
+                   f"components={components}" + (f" {' '.join(runtime)}" if runtime else ""))
 
 
 @main.command()
@@ -71,14 +73,23 @@ def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: 
 
 
 @main.command()
-@click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
+@click.option("--target", "target_name", help="target name in targets/ or path to a TOML file")
+@click.option("--artifact", help="instead of --target: an artifact folder or hf://org/name[@revision] (aot)")
 @click.option("--prompt", required=True)
+@click.option("--negative-prompt", help="what to steer away from (needs guidance)")
 @click.option("--backend", type=click.Choice(["aot", "eager", "compile"]), default="aot", show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--guidance-scale", type=click.FloatRange(0), help="classifier-free guidance; 1 turns it off "
+                                                                 "(default: the target's)")
 @click.option("--height", type=click.IntRange(1), help="pixels (default: the target's first bucket)")
 @click.option("--width", type=click.IntRange(1), help="pixels (default: the target's first bucket)")
-@click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket)")
+@click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket; "
+                                                      "1 with --image)")
+@click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="img2img: start from this image, resized to the height and width (needs the artifact's vae_encoder)")
+@click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
+              help="img2img: how much of --image to repaint (default: the pipeline's)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="aot on CUDA: replay static buckets as CUDA graphs (default: the target's cuda_graphs)")
@@ -88,18 +99,21 @@ def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: 
               help="aot: a LoRA (file, folder or Hub id) to apply with its weight (default 1.0); repeatable")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
-def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, height: int | None,
-        width: int | None, batch: int | None, output: Path | None, cuda_graphs: bool | None, weights: str | None,
-        loras: tuple[str, ...], artifacts: Path) -> None:
-    """Generate an image with the artifact (aot) or the eager / torch.compile pipeline."""
-    from .backends import generate, parse_lora, prepare
-    from .targets import load_target
+def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
+        steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
+        batch: int | None, image: Path | None, strength: float | None, output: Path | None,
+        cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], artifacts: Path) -> None:
+    """Generate an image with the artifact (aot) or the eager / torch.compile pipeline; with --image,
+    img2img from it."""
+    from .backends import generate, parse_lora, prepare, prepare_artifact
 
-    target = load_target(target_name)
-    first = target.shapes[0]
-    for name, value in (("--height", height), ("--width", width)):
-        if value is not None and value % target.stride:
-            raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
+    if (target_name is None) == (artifact is None):
+        raise AotbuildError("give --target NAME or --artifact FOLDER|hf://org/name[@revision]")
+    if artifact is not None and backend != "aot":
+        raise AotbuildError(f"--artifact runs the artifact; --backend {backend} runs a target's pipeline: "
+                            f"give --target")
+    if strength is not None and image is None:
+        raise AotbuildError("--strength applies to img2img: give --image too")
     if output is not None and output.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
         raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name")
     if output is not None and not output.parent.is_dir():
@@ -108,18 +122,45 @@ def run(target_name: str, prompt: str, backend: str, steps: int, seed: int, heig
         raise AotbuildError(f"--cuda-graphs/--no-cuda-graphs apply to --backend aot, not {backend}")
     start = time.perf_counter()
     adapters = [parse_lora(text) for text in loras]
-    pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
+    if artifact is not None:
+        pipe, recorded = prepare_artifact(artifact, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
+    else:
+        from .targets import load_target
+
+        target = load_target(target_name)
+        for name, value in (("--height", height), ("--width", width)):
+            if value is not None and value % target.stride:
+                raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
+        recorded = target.to_dict()
+        pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
     load_s = time.perf_counter() - start
-    gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or first.height,
-                   width=width or first.width, batch=batch or first.batch, guidance_scale=target.guidance_scale)
+    first = recorded["shapes"][0]
+    if guidance_scale is None:
+        guidance_scale = 1.0 if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
+    gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or first["height"],
+                   width=width or first["width"], batch=batch or (1 if image else first["batch"]),
+                   guidance_scale=guidance_scale,
+                   negative_prompt=negative_prompt, image=_read_image(image) if image else None, strength=strength)
     if output:
-        for i, image in enumerate(gen.images):
+        for i, picture in enumerate(gen.images):
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
-            image.save(path)
+            picture.save(path)
             click.echo(f"wrote {path}")
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
-    click.echo(f"backend={backend}{applied} load={load_s:.2f}s first_step={gen.first_step_s:.2f}s "
-               f"total={gen.total_s:.2f}s ({steps} steps, {len(gen.images)} image(s))")
+    mode = " img2img" if image else ""
+    click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
+               f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, "
+               f"{len(gen.images)} image(s))")
+
+
+def _read_image(path: Path) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as picture:
+            return picture.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise AotbuildError(f"--image {path}: not an image PIL can read ({exc})") from None
 
 
 @main.command()
@@ -206,7 +247,8 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) 
 @click.option("--steady", type=click.IntRange(1), default=3, show_default=True, help="steady images per process")
 @click.option("--cases", default=",".join(("eager", "compile", "compile-cached", "aot")), show_default=True,
               help="comma-separated cases; on request: aot-dynamic (the dynamic model at the first bucket's "
-                   "shape), aot-cuda-graphs and aot-no-cuda-graphs (CUDA targets: graphs forced on / off)")
+                   "shape), aot-cuda-graphs and aot-no-cuda-graphs (CUDA targets: graphs forced on / off), "
+                   "aot-lora (LoRA switches), aot-tiling (the first bucket decoded whole and by tiles)")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
@@ -292,6 +334,11 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         lines.append("peak GPU   " + "  ".join(f"{k} {v / 1024:.1f} GiB" for k, v in m["peak_gpu_mib"].items()))
     if m.get("runtime", {}).get("cuda_graphs"):
         lines.append("runtime    static buckets replay as CUDA graphs")
+    sizes = m.get("runtime", {}).get("default_pixels") or {}
+    if sizes.get("served") != sizes.get("native"):
+        served = f"{sizes['served']}x{sizes['served']} px" if sizes.get("served") else "nothing (no square bucket)"
+        lines.append(f"default    pipe(prompt) without a size makes {served}: no variant covers the model's own "
+                     f"{sizes['native']}x{sizes['native']} px")
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class VaeDecoderModule(torch.nn.Module):
-    """The part of `AutoencoderKL.decode` worth compiling: post-quant conv then decoder.
+    """What `AutoencoderKL` runs per decode (or per tile): post-quant conv then decoder.
 
     Holding only these two submodules keeps the encoder's weights out of the exported program.
     """
@@ -36,6 +36,20 @@ class VaeDecoderModule(torch.nn.Module):
         return self.decoder(latents)
 
 
+class VaeEncoderModule(torch.nn.Module):
+    """What `AutoencoderKL` runs per encode (or per tile): encoder then quant conv, giving the
+    moments its `DiagonalGaussianDistribution` is made of."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = vae.encoder
+        self.quant_conv = getattr(vae, "quant_conv", None)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        moments = self.encoder(images)
+        return self.quant_conv(moments) if self.quant_conv is not None else moments
+
+
 def _same_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
@@ -45,9 +59,25 @@ def _forward_without_return_dict(args: tuple, kwargs: dict) -> CallInputs:
     return tuple(args), {**kwargs, "return_dict": False}
 
 
-def _latents_only(args: tuple, kwargs: dict) -> CallInputs:
-    latents = args[0] if args else kwargs["z"]
-    return (latents,), {}
+def _first_tensor(args: tuple, kwargs: dict) -> CallInputs:
+    return (args[0] if args else next(iter(kwargs.values())),), {}
+
+
+def _vae_factor_of(vae: torch.nn.Module) -> int:
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def _random_latents(vae: torch.nn.Module, batch: int, height: int, width: int,
+                    generator: torch.Generator) -> CallInputs:
+    factor = _vae_factor_of(vae)
+    shape = (batch, vae.config.latent_channels, height // factor, width // factor)
+    return (torch.randn(shape, generator=generator),), {}
+
+
+def _random_images(vae: torch.nn.Module, batch: int, height: int, width: int,
+                   generator: torch.Generator) -> CallInputs:
+    # Pixels in [-1, 1], as the pipelines' image processors hand them to the encoder.
+    return (torch.rand((batch, vae.config.in_channels, height, width), generator=generator) * 2 - 1,), {}
 
 
 @dataclass(frozen=True)
@@ -60,10 +90,17 @@ class ComponentSpec:
         method: the method the pipeline calls and the runtime replaces (`forward`, `decode`).
         export_module: picks the module to export out of the pipeline's module.
         call_inputs: turns a recorded pipeline call into the exported module's (args, kwargs).
-        output_class: dotted path of the `return_dict=True` output type, holding one `sample`.
+        output_class: dotted path of the `return_dict=True` output type, holding one `sample`
+            (None: the call returns the tensor, as the VAE's encoder and decoder parts do).
         read_attributes: dotted attributes the pipeline reads besides `config`, `dtype`, `device`;
             the runtime's light module keeps their values.
-        lora: diffusers loads LoRAs into it (the denoiser): the compiled stand-in takes the LoRA API.
+        denoiser: the model the pipeline calls per step: its batch doubles under classifier-free
+            guidance (where the pipeline batches it), and diffusers loads LoRAs into it.
+        part: the VAE part it is (`decoder`, `encoder`): the runtime's stand-in for the VAE runs
+            diffusers' own encode/decode (slicing and tiling included) on the compiled parts.
+        random_call: example inputs at (batch, height, width) pixels, for calls the
+            text-to-image pipeline does not make (encoding, tiles); None: always recorded.
+        recorded: the text-to-image pipeline calls it, so its inputs are recorded there.
     """
 
     name: str
@@ -71,9 +108,12 @@ class ComponentSpec:
     method: str
     export_module: Callable[[torch.nn.Module], torch.nn.Module]
     call_inputs: Callable[[tuple, dict], CallInputs]
-    output_class: str
+    output_class: str | None
     read_attributes: tuple[str, ...] = ()
-    lora: bool = False
+    denoiser: bool = False
+    part: str | None = None
+    random_call: Callable[[torch.nn.Module, int, int, int, torch.Generator], CallInputs] | None = None
+    recorded: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,11 +124,19 @@ class PipelineSpec:
     components: dict[str, ComponentSpec]
     pixel_stride: Callable[[dict[str, dict]], int]
     default_stride: int
+    # The pixel size the pipeline uses when a call gives no height/width.
+    default_pixels: Callable[[dict[str, dict]], int]
     max_denoiser_batch: int | None = None
+    # The denoiser sees 2 x images under classifier-free guidance (Flux is guidance-distilled: its
+    # true CFG calls the transformer twice at the same batch).
+    cfg_batch: bool = True
     # The largest height/width the denoiser's position embedding covers, from the configs (None:
     # no such limit), and the value for a Hub source, whose configs are not read at parse time.
     max_pixels: Callable[[dict[str, dict]], int] | None = None
     default_max_pixels: int | None = None
+    # Arguments the pipeline's call needs besides the prompt and size, at (batch, height, width):
+    # an inpainting pipeline's image and mask.
+    capture_extras: Callable[[int, int, int], dict[str, Any]] | None = None
     # What `encode_prompt` returns, named as the pipeline's call takes it back (None: not taken).
     prompt_embeds: tuple[str | None, ...] = ("prompt_embeds", "negative_prompt_embeds",
                                              "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
@@ -120,7 +168,7 @@ UNET = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.unets.unet_2d_condition.UNet2DConditionOutput",
     read_attributes=("add_embedding.linear_1.in_features",),
-    lora=True,
+    denoiser=True,
 )
 
 TRANSFORMER = ComponentSpec(
@@ -130,7 +178,7 @@ TRANSFORMER = ComponentSpec(
     export_module=_same_module,
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
-    lora=True,
+    denoiser=True,
 )
 
 VAE_DECODER = ComponentSpec(
@@ -138,9 +186,15 @@ VAE_DECODER = ComponentSpec(
     attribute="vae",
     method="decode",
     export_module=VaeDecoderModule,
-    call_inputs=_latents_only,
-    output_class="diffusers.models.autoencoders.vae.DecoderOutput",
+    call_inputs=_first_tensor,
+    output_class=None,
+    part="decoder",
+    random_call=_random_latents,
 )
+
+VAE_ENCODER = dataclasses.replace(VAE_DECODER, name="vae_encoder", method="encode", export_module=VaeEncoderModule,
+                                  part="encoder", random_call=_random_images, recorded=False)
+
 
 def _patch_pixel_stride(configs: dict[str, dict]) -> int:
     return _vae_factor(configs) * configs["transformer"].get("patch_size", 1)
@@ -156,38 +210,74 @@ def _packed_pixel_stride(configs: dict[str, dict]) -> int:
     return _vae_factor(configs) * 2
 
 
+def _denoiser_sample_size(attribute: str) -> Callable[[dict[str, dict]], int]:
+    def pixels(configs: dict[str, dict]) -> int:
+        return configs[attribute]["sample_size"] * _vae_factor(configs)
+
+    return pixels
+
+
+def _flux_default_pixels(configs: dict[str, dict]) -> int:
+    return 128 * _vae_factor(configs)  # FluxPipeline.default_sample_size, a constant
+
+
 PIPELINES: dict[str, PipelineSpec] = {
     "StableDiffusionXLPipeline": PipelineSpec(
         class_name="StableDiffusionXLPipeline",
-        components={"unet": UNET, "vae_decoder": VAE_DECODER},
+        components={"unet": UNET, "vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER},
         pixel_stride=_unet_pixel_stride,
         default_stride=32,  # SDXL base: VAE factor 8 x UNet factor 4
+        default_pixels=_denoiser_sample_size("unet"),
         max_denoiser_batch=63,
     ),
     "StableDiffusionPipeline": PipelineSpec(
         class_name="StableDiffusionPipeline",
-        components={"unet": dataclasses.replace(UNET, read_attributes=()), "vae_decoder": VAE_DECODER},
+        components={"unet": dataclasses.replace(UNET, read_attributes=()), "vae_decoder": VAE_DECODER,
+                    "vae_encoder": VAE_ENCODER},
         pixel_stride=_unet_pixel_stride,
         default_stride=64,  # SD 1.5: VAE factor 8 x UNet factor 8
+        default_pixels=_denoiser_sample_size("unet"),
         max_denoiser_batch=63,
         prompt_embeds=("prompt_embeds", "negative_prompt_embeds"),
     ),
     "StableDiffusion3Pipeline": PipelineSpec(
         class_name="StableDiffusion3Pipeline",
-        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER},
+        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER},
         pixel_stride=_patch_pixel_stride,
         default_stride=16,  # SD3 medium: VAE factor 8 x patch 2
+        default_pixels=_denoiser_sample_size("transformer"),
         max_pixels=_pos_embed_max_pixels,
         default_max_pixels=3072,  # SD3 medium: pos_embed_max_size 192 x 16
     ),
     "FluxPipeline": PipelineSpec(
         class_name="FluxPipeline",
-        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER},
+        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER},
         pixel_stride=_packed_pixel_stride,
         default_stride=16,  # Flux: VAE factor 8 x 2x2 packing
+        default_pixels=_flux_default_pixels,
+        cfg_batch=False,
         prompt_embeds=("prompt_embeds", "pooled_prompt_embeds", None),  # text_ids: recomputed
     ),
 }
+
+
+def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    """A seeded image and a mask whose right half is repainted, as PIL images; strength 1 so one
+    inference step still runs the denoiser (SDXL inpainting's default 0.9999 would run none)."""
+    from PIL import Image
+
+    generator = torch.Generator("cpu").manual_seed(height * 1009 + width)
+    pixels = (torch.rand(height, width, 3, generator=generator) * 255).to(torch.uint8)
+    mask = (torch.arange(width) >= width // 2).to(torch.uint8).mul(255).expand(height, width)
+    return {"image": Image.fromarray(pixels.numpy()), "mask_image": Image.fromarray(mask.contiguous().numpy()),
+            "strength": 1.0}
+
+
+# Inpainting checkpoints (a UNet taking 9 channels: latents, mask, masked image latents) are targets
+# like any other: the same components, called with an image and a mask.
+for _text2img, _inpaint in (("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"),
+                            ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline")):
+    PIPELINES[_inpaint] = dataclasses.replace(PIPELINES[_text2img], class_name=_inpaint, capture_extras=_inpaint_extras)
 
 
 def pipeline_spec(class_name: str) -> PipelineSpec:

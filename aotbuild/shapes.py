@@ -4,7 +4,8 @@ checked again by the runtime (AOTInductor checks no input shape itself).
 
 A dim is one of:
   int                                   static
-  {"axis": "batch", "factor": k}        k x images (k = 2 under classifier-free guidance)
+  {"axis": "batch", "factor": k}        k x the batch (classified in images: k = 2 under classifier-
+                                        free guidance; compiled in the call's own batch, k = 1)
   {"axis": "height"|"width", "pixels": f, "multiple": m}
                                         pixels / f, a multiple of m (m = stride / f)
   {"axis": "tokens", "min": a, "max": b}
@@ -88,23 +89,49 @@ def _proportional(value: int, moved_value: int, points: dict, index: int, axis: 
     return {"axis": axis, "pixels": pixels, "multiple": stride // pixels}
 
 
+def in_call_batches(dims: list[list[Any]]) -> list[list[Any]]:
+    """Batch dims counted in the call's own batch (its first tensor's first dim) instead of images:
+    a denoiser's 2 x images under guidance becomes 1 x its batch, so one model serves the guided
+    and the unguided batches."""
+    first = dims[0][0] if dims and dims[0] else None
+    if not isinstance(first, dict) or first["axis"] != "batch":
+        return dims
+    unit = first["factor"]
+    result = []
+    for leaf in dims:
+        converted = []
+        for dim in leaf:
+            if isinstance(dim, dict) and dim["axis"] == "batch":
+                if dim["factor"] % unit:
+                    raise BuildError(f"an input dim is {dim['factor']} x images while the call's batch is {unit} x "
+                                     f"images: no whole factor of the call's batch")
+                dim = {"axis": "batch", "factor": dim["factor"] // unit}
+            converted.append(dim)
+        result.append(converted)
+    return result
+
+
 def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, dims: list[list[Any]],
                           ranges: dict[str, list[int]], stride: int) -> dict[str, Any]:
     """The `dynamic_shapes` argument of torch.export for this call, keyed by parameter name."""
     from torch.export import Dim
 
-    roots = {"batch": Dim("batch", min=ranges["batch"][0], max=ranges["batch"][1])}
-    for axis in ("height", "width"):
-        roots[axis] = Dim(axis, min=ranges[axis][0] // stride, max=ranges[axis][1] // stride)
+    roots: dict[str, Any] = {}  # made when a dim uses them: a bucket's model has a batch dim only
     tokens: dict[tuple[int, int], Any] = {}  # token dims over the same range are one sequence (Flux ids)
+
+    def root(axis: str) -> Any:
+        if axis not in roots:
+            unit = 1 if axis == "batch" else stride
+            roots[axis] = Dim(axis, min=ranges[axis][0] // unit, max=ranges[axis][1] // unit)
+        return roots[axis]
 
     def dim_expr(dim: Any) -> Any:
         if dim["axis"] == "batch":
-            return roots["batch"] * dim["factor"] if dim["factor"] != 1 else roots["batch"]
+            return root("batch") * dim["factor"] if dim["factor"] != 1 else root("batch")
         if dim["axis"] == "tokens":
             key = (dim["min"], dim["max"])
             return tokens.setdefault(key, Dim(f"tokens{len(tokens)}", min=dim["min"], max=dim["max"]))
-        return roots[dim["axis"]] * dim["multiple"] if dim["multiple"] != 1 else roots[dim["axis"]]
+        return root(dim["axis"]) * dim["multiple"] if dim["multiple"] != 1 else root(dim["axis"])
 
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
     tensor_dims = iter(dims)

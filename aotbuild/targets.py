@@ -23,8 +23,12 @@ DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
-    "guidance_scale", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs",
+    "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs",
 )
+# Which denoiser batches the variants serve: with classifier-free guidance (2 x images), without
+# it (guidance_scale <= 1: turbo, LCM, lightning checkpoints), or both on one artifact.
+GUIDANCE_MODES = ("both", "guided", "unguided")
+COMPONENT_OPTIONS = ("tiling",)
 REQUIRED_KEYS = ("name", "pipeline", "source", "device", "shapes", "components")
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -65,7 +69,9 @@ class Target:
     seed: int = 0
     gpu: GpuSpec | None = None
     dtype: str = "float32"
-    guidance_scale: float = 5.0
+    guidance_scale: float = 5.0  # the guidance of the guided captures
+    guidance: str = "both"  # GUIDANCE_MODES
+    tiling: tuple[str, ...] = ()  # VAE parts that get a tile variant (vae.enable_tiling())
     dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width": [min, max]}
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
@@ -85,13 +91,16 @@ class Target:
         data.pop("base_dir")
         data["shapes"] = [asdict(s) for s in self.shapes]
         data["components"] = list(self.components)
+        data["tiling"] = list(self.tiling)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], base_dir: Path = Path(".")) -> Target:
         """Inverse of `to_dict` (validates again)."""
         raw = dict(data)
-        raw["components"] = {name: {} for name in raw.get("components", ())}
+        tiling = set(raw.pop("tiling", ()))
+        raw["components"] = {name: {"tiling": True} if name in tiling else {}
+                             for name in raw.get("components", ())}
         raw = {k: v for k, v in raw.items() if v is not None}
         return parse_target(raw, origin="<manifest>", base_dir=base_dir)
 
@@ -208,8 +217,15 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                 f"{origin}: key 'components.{comp}': {spec.class_name} has no such component; "
                 f"allowed: {', '.join(spec.components)}"
             )
-        if options:
-            raise TargetError(f"{origin}: key 'components.{comp}' takes no options yet, got {sorted(options)}")
+        _expect(origin, f"components.{comp}", options, dict, "a table of options")
+        unknown_options = sorted(set(options) - set(COMPONENT_OPTIONS))
+        if unknown_options:
+            raise TargetError(f"{origin}: key 'components.{comp}.{unknown_options[0]}' is not an option; "
+                              f"allowed: {', '.join(COMPONENT_OPTIONS)}")
+        if _expect(origin, f"components.{comp}.tiling", options.get("tiling", False), bool, "true or false") \
+                and spec.components[comp].part is None:
+            raise TargetError(f"{origin}: key 'components.{comp}.tiling': only the VAE's parts (vae_decoder, "
+                              f"vae_encoder) decode or encode by tiles")
 
     revision = raw.get("revision")
     if revision is not None:
@@ -217,6 +233,14 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     seed = _expect(origin, "seed", raw.get("seed", 0), int, "an integer")
     guidance = raw.get("guidance_scale", 5.0)
     guidance = float(_expect(origin, "guidance_scale", guidance, (int, float), "a number"))
+    guidance_mode = _choice(origin, "guidance", raw.get("guidance", "both"), GUIDANCE_MODES)
+    if guidance_mode != "unguided" and guidance <= 1:
+        raise TargetError(f"{origin}: key 'guidance_scale' = {guidance:g} turns guidance off, and guidance = "
+                          f"{guidance_mode!r} builds guided variants: give a scale above 1 (used for the guided "
+                          f"captures), or set guidance = \"unguided\"")
+    if guidance_mode != "both" and not spec.cfg_batch:
+        raise TargetError(f"{origin}: key 'guidance': {spec.class_name}'s denoiser batch is the same with and "
+                          f"without guidance, so there is nothing to choose; remove the key")
 
     try:
         stride = pixel_stride(spec, source, base_dir)
@@ -248,7 +272,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
-    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance) if "dynamic" in raw else None
+    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode) if "dynamic" in raw else None
     for axis in ("height", "width"):
         if dynamic:
             _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
@@ -269,7 +293,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
         components=tuple(components), description=str(raw.get("description", "")),
-        revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, dynamic=dynamic,
+        revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, guidance=guidance_mode,
+        tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, base_dir=base_dir,
     )
 
@@ -280,7 +305,7 @@ def _check_largest(origin: str, key: str, pixels: int, largest: int | None, spec
                           f"{spec.class_name}'s position embedding covers (pos_embed_max_size x patch x VAE factor)")
 
 
-def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: float) -> dict[str, list[int]]:
+def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str) -> dict[str, list[int]]:
     """[dynamic] batch/height/width = [min, max], in images and pixels."""
     _expect(origin, "dynamic", table, dict, "a table {batch, height, width}")
     if set(table) != {"batch", "height", "width"}:
@@ -300,7 +325,7 @@ def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: fl
                     raise TargetError(f"{origin}: key 'dynamic.{axis}' bound {bound} is not a multiple of {stride}, "
                                       f"the pixel stride of this model")
         ranges[axis] = [low, high]
-    factor = 2 if guidance > 1 else 1
+    factor = 2 if guidance != "unguided" and spec.cfg_batch else 1
     if spec.max_denoiser_batch and factor * ranges["batch"][1] > spec.max_denoiser_batch:
         raise TargetError(
             f"{origin}: key 'dynamic.batch' max {ranges['batch'][1]} gives a denoiser batch of "

@@ -3,7 +3,8 @@ bind their weights without copies, and swap them into a diffusers pipeline.
 
 One module per concern: `cache` (extracted packages, verified weights, what is trusted),
 `weights` (layouts and binding checks), `variant` (one compiled model), `graphs` (CUDA graphs),
-`component` (the stand-in module), `load` (the public entry points).
+`component` (the stand-in module), `autoencoder` (the VAE's stand-in: diffusers' encode and decode
+over the compiled parts), `load` (the public entry points).
 
 Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,
 torchao or torch._dynamo: what this package imports decides cold start.

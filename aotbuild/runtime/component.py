@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 import warnings
 from types import SimpleNamespace
@@ -58,8 +59,12 @@ class CompiledComponent(torch.nn.Module):
         self.last_variant: str | None = None
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
-        if self._spec.method != "forward":
-            setattr(self, self._spec.method, self.forward)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise MissingAttributeError(self.__dict__.get("component_name", type(self).__name__), name) from None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,39 +129,140 @@ class CompiledComponent(torch.nn.Module):
                 outputs = variant.run(leaves, self._device)
                 break
         else:
+            message = unsupported_call(self.component_name, self.variants, call_args, call_kwargs)
             if not self._eager:
-                raise ShapeNotSupportedError(self._coverage_message(call_args, call_kwargs))
+                raise ShapeNotSupportedError(message)
             if self._lora is not None and self._lora.active:
-                raise ShapeNotSupportedError(f"{self._coverage_message(call_args, call_kwargs)}; the eager fallback "
-                                             f"runs without the LoRA adapters loaded into the compiled model")
-            warnings.warn(f"aotbuild: {self._coverage_message(call_args, call_kwargs)}; running eager", stacklevel=2)
+                raise ShapeNotSupportedError(f"{message}; the eager fallback runs without the LoRA adapters loaded "
+                                             f"into the compiled model")
+            warnings.warn(f"aotbuild: {message}; running eager", stacklevel=2)
             self.last_variant = "eager"
-            return getattr(self._eager[0], self._spec.method)(*args, return_dict=return_dict, **kwargs)
+            with torch.no_grad():
+                outputs = self._spec.export_module(self._eager[0])(*call_args, **call_kwargs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        if self._spec.output_class is None:  # a VAE part: the tensor, as diffusers' encoder/decoder give it
+            return outputs[0]
         if not return_dict:
             return tuple(outputs)
         module_name, class_name = self._spec.output_class.rsplit(".", 1)
         return getattr(importlib.import_module(module_name), class_name)(sample=outputs[0])
 
-    def _coverage_message(self, args: tuple, kwargs: dict) -> str:
-        shapes = [f"{leaf_name(p)} {list(x.shape)}" for p, x in pytree.tree_flatten_with_path((args, kwargs))[0]
-                  if isinstance(x, torch.Tensor)]
-        covered = "; ".join(variant_coverage(v.entry) for v in self.variants)
-        return (f"{self.component_name}: no compiled variant for inputs {', '.join(shapes)}; "
-                f"this artifact covers (batch x height x width): {covered}")
-
     def extra_repr(self) -> str:
         return f"{self.component_name}, variants={[v.name for v in self.variants]}"
 
 
+class MissingAttributeError(AotbuildError, AttributeError):
+    """An attribute the eager module has and aotbuild's stand-in does not keep. An AttributeError
+    too, so `hasattr` and `getattr(..., default)` in diffusers keep working."""
+
+    def __init__(self, component: str, name: str, message: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message or f"{component} is compiled by aotbuild and has no attribute {name!r}: the "
+                                    f"stand-in keeps the config, dtype, device, the attributes the pipeline reads "
+                                    f"and the calls it makes",
+                         hint=hint or "call it on an eager pipeline, or load the artifact with eager_fallback=True "
+                                      "for calls the compiled code does not cover")
+
+
+def _images(low: int, high: int) -> str:
+    return f"{low} image{'s' * (high > 1)}" if low == high else f"{low}-{high} images"
+
+
 def variant_coverage(entry: dict[str, Any]) -> str:
-    """What shapes a variant serves: "2x64x96" for a bucket, ranges for the dynamic model."""
+    """What a variant serves, in the pipeline call's terms: "64x96 px, 1-2 images, with and
+    without guidance" for a bucket, ranges for the dynamic model, tile sizes for a tile model."""
+    guidance = entry.get("guidance")
+    suffix = "" if guidance is None else ", " + {("guided",): "with guidance only",
+                                                  ("unguided",): "without guidance only"}.get(
+        tuple(guidance), "with and without guidance")
+    if entry.get("tile"):
+        d = entry["dynamic"]
+        return (f"tiles up to {d['height'][1]}x{d['width'][1]} px (multiples of {d['stride']} px), "
+                f"{_images(*d['batch'])}")
     if "dynamic" in entry:
         d = entry["dynamic"]
-        return (f"{d['batch'][0]}-{d['batch'][1]}x{d['height'][0]}-{d['height'][1]}x{d['width'][0]}-{d['width'][1]} "
-                f"(dynamic, multiples of {d['stride']} px)")
+        return (f"{d['height'][0]}-{d['height'][1]}x{d['width'][0]}-{d['width'][1]} px (multiples of {d['stride']}), "
+                f"{_images(*d['batch'])}{suffix}")
     b = entry["bucket"]
-    return f"{b['batch']}x{b['height']}x{b['width']}"
+    return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{suffix}"
+
+
+# Inputs a diffusers feature adds to a call, named as the user asks for that feature.
+FEATURE_INPUTS = {
+    "skip_layers": "SD3 skip-layer guidance (skip_guidance_layers=...)",
+    "down_block_additional_residuals": "a ControlNet",
+    "mid_block_additional_residual": "a ControlNet",
+    "block_controlnet_hidden_states": "a ControlNet",
+    "controlnet_block_samples": "a ControlNet",
+    "controlnet_single_block_samples": "a ControlNet",
+    "added_cond_kwargs.image_embeds": "an IP-Adapter",
+    "cross_attention_kwargs.ip_adapter_masks": "IP-Adapter masks",
+    "timestep_cond": "a guidance embedding (time_cond_proj_dim)",
+}
+
+
+def unsupported_call(component: str, variants: list[CompiledVariant], args: tuple, kwargs: dict) -> str:
+    """Why no variant takes this call, in the user's terms: an input the compiled code was not
+    traced with (named, with the diffusers feature that adds it), or a size or guidance outside
+    what the variants cover (with the pipeline call that asked for it, when one is running)."""
+    expected = {leaf["path"]: leaf for leaf in variants[0].inputs}
+    given = {leaf_name(p): x for p, x in pytree.tree_flatten_with_path((args, kwargs))[0]}
+    # The traced call's arguments, empty ones included (Flux's joint_attention_kwargs={} has no leaf).
+    heads = {path.split(".")[0] for path in expected} | set(variants[0].in_spec.child(1).context)
+    for path, value in given.items():
+        spec = expected.get(path)
+        if spec is None:
+            head = path.split(".")[0]
+            if head not in heads:  # a whole argument the traced call did not have (a list: its first item)
+                return f"{head!r} is not an input of the compiled {component}{_feature(head)}"
+            if value is not None:
+                return f"{_input_name(path)} is not an input of the compiled {component}{_feature(path)}"
+            continue
+        shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+        traced = spec.get("value", "a tensor")
+        if shown != traced and not (shown == "a tensor" and "value" not in spec):
+            return (f"{_input_name(path)} is {shown} in this call and {traced} in the compiled "
+                    f"{component}{_feature(path)}")
+    missing = [p for p, spec in expected.items() if p not in given and spec.get("value") not in ("None", "{}")]
+    if missing:
+        return f"the compiled {component} takes {_input_name(missing[0])}, which this call does not pass"
+    shapes = ", ".join(f"{path} {list(x.shape)}" for path, x in given.items() if isinstance(x, torch.Tensor))
+    covered = "; ".join(variant_coverage(v.entry) for v in variants)
+    call = pipeline_call()
+    asked = ""
+    if call is not None:
+        name, values = call
+        asked = f" ({name}({', '.join(f'{k}={v!r}' for k, v in values.items() if v is not None)}))"
+        guidance = {g for v in variants for g in v.entry.get("guidance", ())}
+        scale = values.get("guidance_scale")
+        if guidance and scale is not None:
+            wanted = "guided" if scale > 1 else "unguided"
+            if wanted not in guidance:
+                return (f"{component}: guidance_scale={scale:g} needs the {wanted} variants, which this artifact was "
+                        f"built without (rebuild it with guidance = \"both\" in the target); it covers: {covered}")
+    return f"{component}: no compiled variant for this call{asked}: {shapes}; this artifact covers: {covered}"
+
+
+def _input_name(path: str) -> str:
+    head, _, rest = path.partition(".")
+    return f"{head} key {rest!r}" if rest else repr(head)
+
+
+def _feature(path: str) -> str:
+    feature = FEATURE_INPUTS.get(path) or FEATURE_INPUTS.get(path.split(".")[0])
+    return f" ({feature} is not compiled)" if feature else ""
+
+
+def pipeline_call() -> tuple[str, dict[str, Any]] | None:
+    """The diffusers pipeline call running on this thread, if any: its class and the arguments
+    that choose a variant (read from its frame, to phrase errors in the caller's terms)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
+            names = ("height", "width", "num_images_per_prompt", "guidance_scale")
+            return type(owner).__name__, {k: frame.f_locals.get(k) for k in names}
+        frame = frame.f_back
+    return None
 
 
 def _set_dotted(root: Any, dotted: str, value: Any) -> None:

@@ -3,10 +3,14 @@ them into a diffusers pipeline (a new one, or one the user already has)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import logging
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +19,43 @@ import torch
 from ..errors import AotbuildError, SourceError
 from ..manifest import DTYPES, check_compatible, read_manifest, sha256_file
 from ..pipelines import pipeline_spec
+from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import check_artifact_files
 from .checkpoint import checkpoint_constants, module_tensors
-from .component import CompiledComponent
+from .component import CompiledComponent, Config
 from .graphs import GraphPool
 from .lora import lora_component_class
 from .variant import CompiledVariant
 from .weights import load_weights
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Within the block, log records below ERROR are dropped: a load prints nothing the user did
+    not ask for. diffusers, transformers and torchao log warnings about this machine's optional
+    packages when their modules are first imported (torchvision missing, torchao's CUDA kernels
+    on a CPU build), and diffusers and transformers reset their loggers' levels as they do, so
+    the switch is logging's global one (`logging.disable`), restored after. aotbuild's own
+    warnings (`warnings.warn`) and errors still reach the user."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")  # torch's own pytree specs
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _quietly(function: Callable) -> Callable:
+    """`function` run within `quiet_libraries()`."""
+    @functools.wraps(function)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with quiet_libraries():
+            return function(*args, **kwargs)
+
+    return quiet
+
 
 # Operator namespaces torch registers itself: compiled code calling them needs no extra import.
 TORCH_NAMESPACES = {"aten", "prims", "quantized", "quantized_decomposed", "_c10d_functional", "fbgemm", "mkldnn",
@@ -40,6 +74,7 @@ def _import_custom_ops(namespaces: list[str]) -> None:
                                 f"is not installed", hint=f"pip install {namespace}") from None
 
 
+@_quietly
 def load_components(folder: str | os.PathLike, *, device: str | torch.device | None = None,
                     dtype: str | None = None, eager: dict[str, torch.nn.Module] | None = None,
                     verify: bool = True, cuda_graphs: bool | None = None,
@@ -83,7 +118,8 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     if cuda_graphs and device.type != "cuda":
         raise AotbuildError(f"CUDA graphs need a CUDA device; this artifact runs on {device.type}",
                             hint="load it with cuda_graphs=False")
-    modules = {}
+    modules: dict[str, Any] = {}
+    parts: dict[str, tuple[dict, dict[str, CompiledComponent]]] = {}
     pool = GraphPool(device) if cuda_graphs else None
     spec = pipeline_spec(manifest["target"]["pipeline"])
     recipe = manifest["target"]["optimize"].get("quantize")
@@ -103,11 +139,43 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         lock = threading.RLock()
         variants = [CompiledVariant(package, v, device, tensors, sha256, layouts, pool, lock)
                     for v in entry["variants"]]
-        cls = lora_component_class(CompiledComponent) if spec.component(name).lora else CompiledComponent
+        cls = lora_component_class(CompiledComponent) if spec.component(name).denoiser else CompiledComponent
         described = {**entry, "pipeline": manifest["target"]["pipeline"], "quantize": recipe}
-        modules[entry["attribute"]] = cls(name, described, variants, tensors, device, eager=(eager or {}).get(name),
-                                          lock=lock)
+        component = cls(name, described, variants, tensors, device, eager=(eager or {}).get(name), lock=lock)
+        part = spec.component(name).part
+        if part is None:
+            modules[entry["attribute"]] = component
+        else:  # the VAE's parts share one stand-in, made once all are loaded
+            parts.setdefault(entry["attribute"], (entry["config"], {}))[1][part] = component
+    for attribute, (config, found) in parts.items():
+        modules[attribute] = autoencoder_class()(config, found)
+    _serve_default_size(manifest, modules)
     return manifest, modules
+
+
+def _serve_default_size(manifest: dict[str, Any], modules: dict[str, Any]) -> None:
+    """When no variant covers the size a pipeline makes by default, the compiled denoiser reports
+    the size the build chose instead as its `sample_size`, which the pipelines read for their
+    default (`default_pixels` in the manifest's runtime record)."""
+    sizes = manifest["runtime"].get("default_pixels") or {}
+    served, native = sizes.get("served"), sizes.get("native")
+    if served is None or served == native:
+        return
+    for module in modules.values():
+        if isinstance(module, CompiledComponent) and "sample_size" in module.config:
+            factor = native // module.config["sample_size"] if module.config["sample_size"] else 0
+            if factor and not served % factor:
+                module.config = Config({**module.config, "sample_size": served // factor})
+
+
+def _default_size_of(pipe: Any, manifest: dict[str, Any]) -> None:
+    """Pipelines that keep their default size in `default_sample_size` (SDXL, SD3, Flux) get the
+    served one too (Flux's is a constant, not read from the model's config)."""
+    sizes = manifest["runtime"].get("default_pixels") or {}
+    served, native = sizes.get("served"), sizes.get("native")
+    factor = getattr(pipe, "vae_scale_factor", None)
+    if served is not None and served != native and factor and hasattr(pipe, "default_sample_size"):
+        pipe.default_sample_size = served // factor
 
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
@@ -126,6 +194,7 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
 WEIGHTS_CHOICES = ("pipeline", "artifact")
 
 
+@_quietly
 def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", eager_fallback: bool = False,
           cuda_graphs: bool | None = None) -> Any:
     """Swap an artifact's compiled components into a pipeline the user already has.
@@ -158,7 +227,7 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
         raise AotbuildError(f"artifact is for {manifest['target']['pipeline']}, not {type(pipe).__name__}")
     originals = {name: getattr(pipe, entry["attribute"]) for name, entry in manifest["components"].items()}
     for name, module in originals.items():
-        if isinstance(module, CompiledComponent):
+        if isinstance(module, (CompiledComponent, CompiledAutoencoderBase)):
             raise AotbuildError(f"the pipeline's {name} is compiled by aotbuild already")
         if weights == "pipeline":
             _check_lora_fused(manifest["components"][name]["attribute"], module)
@@ -166,6 +235,7 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
                                  cuda_graphs=cuda_graphs, weights=originals if weights == "pipeline" else None)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
+    _default_size_of(pipe, manifest)
     return pipe
 
 
@@ -192,6 +262,7 @@ def _check_lora_fused(attribute: str, module: torch.nn.Module) -> None:
                       f"unfuse before apply() and load them after", stacklevel=3)
 
 
+@_quietly
 def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
                   cuda_graphs: bool | None = None, source: str | os.PathLike | None = None,
                   weights: str | os.PathLike | None = None) -> Any:
@@ -242,6 +313,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     source_folder, seed = _source_folder(manifest, folder, source, skip=set(modules))
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
+    _default_size_of(pipe, manifest)
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
 
 

@@ -338,4 +338,25 @@ def lora_component_class(base: type) -> type:
     methods = {name: on_shell(name) for name in SHELL_METHODS}
     methods.update(load_lora_adapter=load_lora_adapter, update_weights=update_weights,
                    peft_config=property(peft_config))
-    return type(base.__name__, (base, ModelMixin), methods)
+    cls = type(base.__name__, (base, ModelMixin), methods)
+    _accepted_by_pipelines(cls)
+    return cls
+
+
+def _accepted_by_pipelines(cls: type) -> None:
+    """diffusers' `from_pipe` keeps a ModelMixin only when its class is the very one the new
+    pipeline's signature names (`UNet2DConditionModel`): the compiled denoiser, a ModelMixin of its
+    own class, would be dropped and the new pipeline refused. aotbuild adds its class to every
+    signature's accepted types (`DiffusionPipeline._get_signature_types`, read by `from_pipe` and
+    `from_pretrained` only), so `Img2ImgPipeline.from_pipe(pipe)` keeps the compiled denoiser."""
+    from diffusers import DiffusionPipeline
+
+    original = DiffusionPipeline.__dict__["_get_signature_types"].__func__
+    if getattr(original, "accepts_compiled", False):
+        return
+
+    def _get_signature_types(pipeline_cls: type) -> dict[str, tuple]:
+        return {name: (*types, cls) for name, types in original(pipeline_cls).items()}
+
+    _get_signature_types.accepts_compiled = True
+    DiffusionPipeline._get_signature_types = classmethod(_get_signature_types)

@@ -90,9 +90,10 @@ class CompiledVariant:
         in_spec, out_spec = self._model.get_call_spec()
         self.in_spec = pytree.treespec_loads(in_spec)
         self.out_spec = pytree.treespec_loads(out_spec)
-        self.cuda_graph = None
-        if device.type == "cuda" and cuda_graph_pool is not None and "bucket" in entry:
-            self.cuda_graph = CudaGraph(self.name, self._run, self.inputs, device, cuda_graph_pool)
+        # A bucket's model serves a few call batches (1 image to its batch, guided and not): one
+        # graph per call shape, captured on its first call.
+        self.graph_pool = cuda_graph_pool if device.type == "cuda" and "bucket" in entry else None
+        self.cuda_graphs: dict[tuple, CudaGraph] = {}
 
     def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Bind these constants (a subset, by FQN) in place of the ones bound now, by pointer; the
@@ -105,8 +106,8 @@ class CompiledVariant:
         if mine:
             with self._lock:
                 self._model.load_constants(mine, False, False, True)
-                if self.cuda_graph is not None:
-                    self.cuda_graph.reset()
+                for graph in self.cuda_graphs.values():
+                    graph.reset()
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""
@@ -126,13 +127,14 @@ class CompiledVariant:
                 return False
             if not isinstance(leaf, torch.Tensor) and repr(leaf) != expected["value"]:
                 return False
-            if isinstance(leaf, torch.Tensor) and "shape" in expected and list(leaf.shape) != expected["shape"]:
+            if isinstance(leaf, torch.Tensor) and "dims" not in expected and list(leaf.shape) != expected["shape"]:
                 return False
-        if "dynamic" in self.entry:
+        if "call_batch" in self.entry or "dynamic" in self.entry:
             tensors = [(list(leaf.shape), e["dims"]) for (_, leaf), e in zip(leaves, self.inputs, strict=True)
                        if isinstance(leaf, torch.Tensor)]
-            ranges = self.entry["dynamic"]
-            return infer_size([d for _, d in tensors], [s for s, _ in tensors], ranges, ranges["stride"]) is not None
+            ranges = {**self.entry.get("dynamic", {}), "batch": self.entry.get("call_batch")}
+            return infer_size([d for _, d in tensors], [s for s, _ in tensors], ranges,
+                              ranges.get("stride", 1)) is not None
         return True
 
     def run(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
@@ -140,9 +142,9 @@ class CompiledVariant:
             return self._run_unlocked(leaves, device)
 
     def _run_unlocked(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
-        if self.cuda_graph is not None:
+        if self.graph_pool is not None:
             tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
-            return pytree.tree_unflatten(self.cuda_graph(tensors), self.out_spec)
+            return pytree.tree_unflatten(self._cuda_graph(tensors)(tensors), self.out_spec)
         tensors = []
         for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -151,8 +153,8 @@ class CompiledVariant:
                 want = getattr(torch, expected["dtype"])
                 leaf = leaf.to(device=device, dtype=want)
                 if "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
-                    leaf = torch.empty_strided(expected["shape"], expected["stride"], dtype=want,
-                                               device=device).copy_(leaf)
+                    # The compiled strides hold for a smaller call batch too (batch is the outer dim).
+                    leaf = torch.empty_strided(leaf.shape, expected["stride"], dtype=want, device=device).copy_(leaf)
                 elif expected.get("layout") == "channels_last":
                     leaf = leaf.contiguous(memory_format=torch.channels_last)
                 elif "layout" in expected:
@@ -161,6 +163,16 @@ class CompiledVariant:
         # The runner launches on the current device's stream: make that this model's device.
         with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
             return pytree.tree_unflatten(self._run(tensors), self.out_spec)
+
+    def _cuda_graph(self, tensors: list[torch.Tensor]) -> CudaGraph:
+        key = tuple(tuple(t.shape) for t in tensors)
+        graph = self.cuda_graphs.get(key)
+        if graph is None:
+            expected = [e for e in self.inputs if "shape" in e]
+            shaped = [{**e, "shape": list(t.shape)} for t, e in zip(tensors, expected, strict=True)]
+            graph = self.cuda_graphs[key] = CudaGraph(f"{self.name} {[list(k) for k in key[:1]]}", self._run, shaped,
+                                                      self._device, self.graph_pool)
+        return graph
 
     def __repr__(self) -> str:
         return f"CompiledVariant({self.name}, bucket={self.entry.get('bucket')})"

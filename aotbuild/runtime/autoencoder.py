@@ -1,0 +1,106 @@
+"""The stand-in for a pipeline's VAE: diffusers' own `AutoencoderKL` encode and decode code
+(slicing, tiling and blending, the latent distribution) run over the compiled parts, so every
+path gives what eager diffusers gives, and a missing part or tile model is named, not a crash."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..errors import AotbuildError
+from .component import CompiledComponent, Config, MissingAttributeError
+
+# AutoencoderKL's methods run as they are on the stand-in: each calls `self.encoder(x)` /
+# `self.decoder(z)` per image, slice or tile, and those are the compiled parts.
+BORROWED = ("encode", "_encode", "decode", "_decode", "tiled_decode", "_tiled_encode", "tiled_encode",
+            "blend_v", "blend_h")
+# What each part needs in the target when a call needs it.
+PART_COMPONENTS = {"decoder": "vae_decoder", "encoder": "vae_encoder"}
+
+
+class CompiledAutoencoderBase(torch.nn.Module):
+    """Holds the compiled `decoder` and `encoder` parts (either may be absent) as diffusers'
+    AutoencoderKL holds its own, with its config and tile settings."""
+
+    def __init__(self, config: dict[str, Any], parts: dict[str, CompiledComponent]) -> None:
+        super().__init__()
+        self.config = Config(config)
+        self.parts = parts  # a plain dict as well: the registered submodules are the same objects
+        for name, part in parts.items():
+            self.add_module(name, part)
+        # The compiled parts include the quant convs: diffusers' code calls these as no-ops.
+        self.quant_conv = self.post_quant_conv = torch.nn.Identity()
+        self.use_slicing = False
+        self.use_tiling = False
+        sample_size = config["sample_size"]
+        sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size
+        self.tile_sample_min_size = config["sample_size"]
+        self.tile_latent_min_size = int(sample_size / (2 ** (len(config["block_out_channels"]) - 1)))
+        self.tile_overlap_factor = 0.25
+        self.component_name = "vae"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in PART_COMPONENTS:
+                component = PART_COMPONENTS[name]
+                raise MissingAttributeError("vae", name, f"this artifact has no {component}: " + (
+                    "img2img and inpainting encode images with it" if name == "encoder" else "decoding needs it"),
+                    hint=f"add `{component} = {{}}` to [components] in the target and rebuild") from None
+            raise MissingAttributeError("vae", name) from None
+
+    @property
+    def _first(self) -> CompiledComponent:
+        return next(iter(self.parts.values()))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._first.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._first.device
+
+    @property
+    def last_variant(self) -> str | None:
+        """The variant the decoder (else the encoder) ran last."""
+        return self.parts.get("decoder", self._first).last_variant
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CompiledAutoencoderBase:
+        return self  # as CompiledComponent: the compiled code runs where it was loaded
+
+    def enable_slicing(self) -> None:
+        self.use_slicing = True
+
+    def disable_slicing(self) -> None:
+        self.use_slicing = False
+
+    def enable_tiling(self) -> None:
+        """Tiled encode and decode run the parts' tile models; a part built without one is refused
+        here, before any call."""
+        for name, part in self.parts.items():
+            if not any(v.entry.get("tile") for v in part.variants):
+                component = PART_COMPONENTS[name]
+                raise AotbuildError(f"vae.enable_tiling(): this artifact's {component} has no tile variant",
+                                    hint=f"set `{component} = {{ tiling = true }}` in [components] of the target "
+                                         f"and rebuild")
+        self.use_tiling = True
+
+    def disable_tiling(self) -> None:
+        self.use_tiling = False
+
+    def extra_repr(self) -> str:
+        return f"parts={list(self.parts)}"
+
+
+@functools.cache
+def autoencoder_class() -> type:
+    """CompiledAutoencoderBase with AutoencoderKL's encode/decode methods (diffusers is imported
+    here, when a pipeline is built, not when the runtime is)."""
+    from diffusers import AutoencoderKL
+
+    return type("CompiledAutoencoder", (CompiledAutoencoderBase,),
+                {name: AutoencoderKL.__dict__[name] for name in BORROWED})
