@@ -4,8 +4,12 @@ a minute or two) into a temporary folder; tests that need a modified artifact co
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,17 +51,89 @@ def generate(pipe, bucket, steps: int = 2, seed: int = 0):
                 generator=torch.Generator("cpu").manual_seed(seed)).images
 
 
+_BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target compiles once per session
+# The shipped tiny targets the slow tests build, split over two background builders started with
+# the session: a build is one Python thread or one g++ at a time, so two cores build two targets.
+# Each list is in the order the tests first need them; `build_once` waits on a target's build
+# lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
+PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint"),
+             ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux"))
+_SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
+PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
+
+
 def build_once(tmp_path_factory, target) -> SimpleNamespace:
-    """Build `target` once per session into a fresh folder; AOTBUILD_TEST_ARTIFACTS names a folder
-    to keep builds in across sessions instead (a fresh artifact there is reused, for development;
+    """Build `target` once per session into the session's artifacts folder (every test module
+    asking for it gets that build); AOTBUILD_TEST_ARTIFACTS names a folder to keep builds in
+    across sessions instead (a fresh artifact there is reused, for development;
     test_build_writes_complete_artifact then fails: no build ran, so no build progress was seen)."""
+    key = target.content_hash()
+    if key not in _BUILT:
+        _BUILT[key] = _build(tmp_path_factory, target)
+    return _BUILT[key]
+
+
+def _artifacts(tmp_path_factory) -> Path:
+    if "artifacts" not in _SESSION:
+        kept = os.environ.get("AOTBUILD_TEST_ARTIFACTS")
+        _SESSION["artifacts"] = Path(kept) if kept else tmp_path_factory.mktemp("session") / "artifacts"
+        _SESSION["logs"] = tmp_path_factory.mktemp("build-logs")
+    return _SESSION["artifacts"]
+
+
+def _build(tmp_path_factory, target) -> SimpleNamespace:
+    """The build's progress messages are its own, or, when a background builder made the
+    artifact, read back from that builder's log."""
     from aotbuild.builder import build
 
-    kept = os.environ.get("AOTBUILD_TEST_ARTIFACTS")
-    artifacts = Path(kept) if kept else tmp_path_factory.mktemp("session") / "artifacts"
+    artifacts = _artifacts(tmp_path_factory)
     messages: list[tuple[str, str]] = []
     result = build(target, artifacts, progress=lambda stage, msg: messages.append((stage, msg)))
+    log = _SESSION["logs"] / f"{target.name}.log"
+    if result.skipped and log.is_file():
+        messages = [m.groups() for line in log.read_text().splitlines() if (m := PROGRESS_LINE.match(line))]
     return SimpleNamespace(folder=result.folder, artifacts=artifacts, manifest=result.manifest, progress=messages)
+
+
+class _Builder(threading.Thread):
+    """Builds targets one after another, each in an `aotbuild build` process logging to a file."""
+
+    def __init__(self, names: tuple[str, ...], artifacts: Path, logs: Path) -> None:
+        super().__init__(daemon=True)
+        self.names, self.artifacts, self.logs = names, artifacts, logs
+        self.process: subprocess.Popen | None = None
+        self.stopped = False
+
+    def run(self) -> None:
+        for name in self.names:
+            if self.stopped:
+                return
+            with open(self.logs / f"{name}.log", "w") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "aotbuild.cli", "build", "--target", str(TARGETS / f"{name}.toml"),
+                     "--artifacts", str(self.artifacts)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                self.process.wait()
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+        self.join()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prebuilt(request, tmp_path_factory):
+    """Start the background builders when the session runs slow tests (they build the targets)."""
+    artifacts = _artifacts(tmp_path_factory)
+    builders = []
+    if any(item.get_closest_marker("slow") for item in request.session.items):
+        builders = [_Builder(names, artifacts, _SESSION["logs"]) for names in PREBUILDS]
+        for builder in builders:
+            builder.start()
+    yield
+    for builder in builders:
+        builder.stop()
 
 
 @pytest.fixture(scope="session")

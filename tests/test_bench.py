@@ -105,3 +105,7 @@ def test_bench_without_artifact_or_with_unknown_case(tmp_path):
     result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
                                        "--artifacts", str(tmp_path), "--cases", "aot,warp"])
     assert result.exit_code == 1 and "unknown bench case 'warp'" in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sd15.toml"),
+                                       "--artifacts", str(tmp_path), "--cases", "aot-tiling"])
+    assert result.exit_code == 1 and ("case aot-tiling needs vae_decoder = { tiling = true } and a first bucket "
+                                      "larger than a tile (64 px); cpu-tiny-sd15 lacks one") in result.output

@@ -8,7 +8,7 @@ from PIL import Image
 
 from aotbuild.cli import main
 
-from .conftest import TARGETS
+from .conftest import TARGETS, build_once, eager_pipeline
 
 pytestmark = pytest.mark.slow
 TINY = str(TARGETS / "cpu-tiny-sdxl.toml")
@@ -22,8 +22,8 @@ def test_inspect_shows_variants_files_and_numerics(built):
     result = invoke("inspect", str(built.folder))
     assert result.exit_code == 0
     for text in ("cpu-tiny-sdxl", "StableDiffusionXLPipeline", "random:tiny-sdxl seed=0", "b1_64x64",
-                 "2x64x96", "1-3x32-96x32-96 (dynamic", "args[0]=[2*B, 4, H/2, W/2]", "rel.err", "unet.pt2",
-                 "vae_decoder.safetensors", "compile"):
+                 "64x96 px, 1-2 images, with and without guidance", "32-96x32-96 px (multiples of 4), 1-3 images",
+                 "args[0]=[B, 4, H/2, W/2]", "rel.err", "unet.pt2", "vae_encoder.safetensors", "compile"):
         assert text in result.output
     as_json = invoke("inspect", "--json", str(built.folder))
     assert '"target_hash"' in as_json.output
@@ -55,7 +55,7 @@ def test_run_writes_images_and_prints_timings(built, tmp_path, backend):
                     "--prompt", "a red fox", "--steps", "2", "--batch", "2", "--height", "64", "--width", "96",
                     "--output", str(out))
     assert result.exit_code == 0, result.output
-    assert f"backend={backend} load=" in result.output and "first_step=" in result.output
+    assert f"backend={backend} guidance_scale=5 load=" in result.output and "first_step=" in result.output
     for i in range(2):
         image = Image.open(tmp_path / f"fox-{i}.png")
         assert image.size == (96, 64)
@@ -72,7 +72,8 @@ def test_run_at_an_uncovered_shape_is_one_line(built):
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--artifacts", str(built.artifacts),
                                        "--prompt", "x", "--steps", "1", "--height", "128", "--width", "128"])
     assert result.exit_code == 1
-    assert "covers (batch x height x width): 1x64x64; 2x64x96; 1-3x32-96x32-96 (dynamic" in result.output
+    assert ("covers: 64x64 px, 1 image, with and without guidance; 64x96 px, 1-2 images, with and without "
+            "guidance; 32-96x32-96 px (multiples of 4), 1-3 images, with and without guidance") in result.output
     assert "Traceback" not in result.output
 
 
@@ -81,14 +82,51 @@ def test_cache_shows_and_clears_extracted_packages(built, tmp_path, monkeypatch)
 
     monkeypatch.setenv("AOTBUILD_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "cache" / "packages"
-    load_components(built.folder)  # extracts both packages
+    load_components(built.folder)  # extracts the three packages
     (root / ".0123abcd-xyz").mkdir()  # another process's extraction in progress: not the clear's to delete
     shown = invoke("cache")
-    assert shown.exit_code == 0 and f"{root}: 2 extracted package(s)" in shown.output
+    assert shown.exit_code == 0 and f"{root}: 3 extracted package(s)" in shown.output
     cleared = invoke("cache", "--clear")
     assert "cleared" in cleared.output and [p.name for p in root.iterdir()] == [".0123abcd-xyz"]
     # A folder under a package's name without the completion mark was never renamed into place
     # whole: the next load replaces it instead of trusting it.
     (root / built.manifest["files"]["unet.pt2"]["sha256"]).mkdir()
     _, modules = load_components(built.folder)
-    assert ": 2 extracted package(s)" in invoke("cache").output and modules["unet"].variants
+    assert ": 3 extracted package(s)" in invoke("cache").output and modules["unet"].variants
+
+
+def test_run_an_artifact_img2img_without_guidance_prints_only_its_result(tmp_path_factory, tmp_path):
+    """`run --artifact` with --image/--strength/--guidance-scale/--negative-prompt, in a fresh
+    process: stdout has the result line, stderr nothing (no library warnings on load), and the
+    image is eager img2img's with the same arguments."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from aotbuild.backends import generate
+    from aotbuild.targets import load_target
+
+    target = load_target(TARGETS / "cpu-tiny-sd15.toml")
+    built = build_once(tmp_path_factory, target)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 80, 3), dtype=np.uint8)).save(tmp_path / "in.png")
+    args = ["run", "--artifact", str(built.folder), "--prompt", "a red fox", "--image", str(tmp_path / "in.png"),
+            "--strength", "0.5", "--guidance-scale", "1", "--negative-prompt", "blurry", "--steps", "4",
+            "--output", str(tmp_path / "out.png")]
+    result = subprocess.run([str(Path(sys.executable).parent / "aotbuild"), *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"wrote {tmp_path / 'out.png'}" and lines[1].startswith("backend=aot img2img guidance_scale=1 ")
+    want = generate(eager_pipeline(target), "a red fox", steps=4, seed=0, height=64, width=64, guidance_scale=1.0,
+                    negative_prompt="blurry", image=Image.open(tmp_path / "in.png").convert("RGB"), strength=0.5)
+    got = np.asarray(Image.open(tmp_path / "out.png"), dtype=np.int16)
+    assert got.shape == (64, 64, 3) and np.abs(got - np.asarray(want.images[0], dtype=np.int16)).max() <= 1
+
+
+def test_run_needs_one_of_target_or_artifact():
+    result = CliRunner().invoke(main, ["run", "--prompt", "x"])
+    assert result.exit_code == 1 and "give --target NAME or --artifact FOLDER|hf://org/name[@revision]" in result.output
+    result = CliRunner().invoke(main, ["run", "--target", TINY, "--prompt", "x", "--strength", "0.5"])
+    assert result.exit_code == 1 and "--strength applies to img2img: give --image too" in result.output

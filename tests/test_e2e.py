@@ -23,6 +23,7 @@ from aotbuild.builder import build, is_fresh
 from aotbuild.errors import CorruptArtifactError, IncompatibleArtifactError, ShapeNotSupportedError
 from aotbuild.manifest import read_manifest, sha256_file, verify_files
 from aotbuild.runtime import CompiledComponent, load_components
+from aotbuild.runtime.autoencoder import CompiledAutoencoderBase
 from aotbuild.targets import ShapeBucket
 
 from .conftest import ROOT, TARGETS, eager_pipeline, generate
@@ -35,21 +36,30 @@ IMAGE_ATOL = 1e-4  # images are in [0, 1]; fp32 compiled vs eager differ by ~1e-
 def test_build_writes_complete_artifact(built, tiny_target):
     names = sorted(p.name for p in built.folder.iterdir())
     assert names == ["manifest.json", "source", "unet.pt2", "unet.safetensors",
-                     "vae_decoder.pt2", "vae_decoder.safetensors"]
+                     "vae_decoder.pt2", "vae_decoder.safetensors", "vae_encoder.pt2", "vae_encoder.safetensors"]
     m = read_manifest(built.folder)
     assert m["target"] == tiny_target.to_dict() and m["target_hash"] == tiny_target.content_hash()
     assert m["source"] == {"id": "random:tiny-sdxl", "revision": None, "seed": 0}
-    assert m["runtime"] == {"cuda_graphs": False, "scheduler": "EulerDiscreteScheduler", "sigmas_device": "cpu"}
+    assert m["runtime"] == {"cuda_graphs": False, "scheduler": "EulerDiscreteScheduler", "sigmas_device": "cpu",
+                            "default_pixels": {"native": 64, "served": 64}}
     env = m["environment"]
     assert env["torch"] == torch.__version__ and env["torch_git"] == torch.version.git_version
     assert env["cpu_isa"] == torch.backends.cpu.get_cpu_capability() and env["device_type"] == "cpu"
     for stage in ("load", "capture", "optimize", "export", "compile", "package", "validate"):
         assert m["timings"][stage] >= 0
         assert any(s == stage for s, _ in built.progress)
-    for name in ("unet", "vae_decoder"):
+    checked = {"unet": [["1x64x64", "1x64x64 unguided"],
+                        ["2x64x96", "1x64x96", "2x64x96 unguided", "1x64x96 unguided"],
+                        ["2x64x64", "1x32x32", "3x96x96", "1x32x32 unguided"]],
+               "vae_decoder": [["1x64x64"], ["2x64x96", "1x64x96"], ["2x64x64", "1x32x32", "3x96x96"]]}
+    checked["vae_encoder"] = checked["vae_decoder"]
+    calls = {"unet": [[1, 2], [1, 4], [1, 6]], "vae_decoder": [None, [1, 2], [1, 3]]}
+    calls["vae_encoder"] = calls["vae_decoder"]
+    for name in ("unet", "vae_decoder", "vae_encoder"):
         entry = m["components"][name]
         assert [v["name"] for v in entry["variants"]] == ["b1_64x64", "b2_64x96", "dynamic"]
-        assert entry["variants"][2]["numerics"]["checked_at"] == ["1x32x32", "2x64x64", "3x96x96"]
+        assert [v["numerics"]["checked_at"] for v in entry["variants"]] == checked[name]
+        assert [v.get("call_batch") for v in entry["variants"]] == calls[name]
         for variant in entry["variants"]:
             assert variant["numerics"]["max_rel_error"] <= variant["numerics"]["tolerance"] == 1e-3
             assert all("shape" in i or "dims" in i or "value" in i for i in variant["inputs"])
@@ -85,8 +95,9 @@ def test_compiled_pipeline_matches_eager(built, tiny_target, bucket):
 
 def test_load_pipeline_never_materialises_compiled_weights(built):
     pipe = aotbuild.load_pipeline(built.folder)
+    assert isinstance(pipe.unet, CompiledComponent) and isinstance(pipe.vae, CompiledAutoencoderBase)
+    assert all(isinstance(part, CompiledComponent) for part in (pipe.vae.decoder, pipe.vae.encoder))
     for module in (pipe.unet, pipe.vae):
-        assert isinstance(module, CompiledComponent)
         assert list(module.parameters()) == [] and list(module.buffers()) == []
     # what StableDiffusionXLPipeline reads from them
     assert pipe.unet.config.in_channels == 4 and pipe.unet.config.sample_size == 32
@@ -111,7 +122,7 @@ def test_apply_swaps_in_compiled_modules_and_frees_originals(built, tiny_target,
     gc.collect()
     assert unet_ref() is None and weight_ref() is None
     assert (pipe.unet.weights["conv_in.weight"].data_ptr() == storage) == (weights == "pipeline")
-    assert isinstance(pipe.unet, CompiledComponent) and isinstance(pipe.vae, CompiledComponent)
+    assert isinstance(pipe.unet, CompiledComponent) and isinstance(pipe.vae, CompiledAutoencoderBase)
     np.testing.assert_allclose(generate(pipe, bucket), expected, atol=IMAGE_ATOL, rtol=0)
 
 
@@ -152,8 +163,11 @@ def test_weights_are_really_bound_at_load(artifact_copy, tiny_target):
 
 def test_uncovered_shape_is_a_clear_error(built):
     pipe = aotbuild.load_pipeline(built.folder)
-    with pytest.raises(ShapeNotSupportedError, match=r"unet: no compiled variant for inputs args\[0\] \[2, 4, 64, 64\]"
-                       r".*covers \(batch x height x width\): 1x64x64; 2x64x96; 1-3x32-96x32-96 \(dynamic"):
+    with pytest.raises(ShapeNotSupportedError, match=r"unet: no compiled variant for this call \("
+                       r"StableDiffusionXLPipeline\(height=128, width=128, num_images_per_prompt=1, "
+                       r"guidance_scale=5.0\)\): args\[0\] \[2, 4, 64, 64\].*covers: 64x64 px, 1 image, with and "
+                       r"without guidance; 64x96 px, "
+                       r"1-2 images, with and without guidance; 32-96x32-96 px \(multiples of 4\), 1-3 images"):
         generate(pipe, ShapeBucket(1, 128, 128))
 
 
@@ -304,20 +318,21 @@ def test_build_waiting_for_the_lock_checks_freshness_again(built, tiny_target, t
 
 
 def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy, tiny_target):
-    from aotbuild.builder import _capture_all, _capture_points, _validate
+    from aotbuild.builder import _capture_all, _plan, _validate
     from aotbuild.errors import NumericsError
     from aotbuild.pipelines import pipeline_spec
 
     spec = pipeline_spec(tiny_target.pipeline)
-    points = _capture_points(tiny_target)
-    reference = _capture_all(eager_pipeline(tiny_target), spec, [spec.component(n) for n in tiny_target.components],
-                             tiny_target, list(points.values()), torch.device("cpu"), lambda stage, message: None)
+    specs = [spec.component(n) for n in tiny_target.components]
+    pipe = eager_pipeline(tiny_target)
+    points, plans = _plan(tiny_target, spec, specs, pipe.vae)
+    reference = _capture_all(pipe, spec, specs, tiny_target, points, torch.device("cpu"), lambda stage, message: None)
     for calls in reference.values():
         for call in calls.values():
             call.output.mul_(1.5)  # as if the compiled models had drifted by a third
     manifest = read_manifest(artifact_copy)
     with pytest.raises(NumericsError, match=r"unet b1_64x64: relative error 0\.333 > 0\.001") as info:
-        _validate(artifact_copy, manifest, reference, points, torch.device("cpu"), allow_drift=False)
+        _validate(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=False)
     assert "--allow-numerics-drift" in info.value.hint
-    _validate(artifact_copy, manifest, reference, points, torch.device("cpu"), allow_drift=True)
+    _validate(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=True)
     assert manifest["components"]["vae_decoder"]["variants"][2]["numerics"]["max_rel_error"] > 0.3

@@ -119,7 +119,7 @@ def test_graph_replay_equals_plain_runs_on_new_inputs(cuda_built):
     _, graphed = load_components(built.folder, cuda_graphs=True)
     _, plain = load_components(built.folder, cuda_graphs=False)
     graph_model, plain_model = (next(v for v in c["unet"].variants if v.name == "b1_64x64") for c in (graphed, plain))
-    assert graph_model.cuda_graph is not None and plain_model.cuda_graph is None
+    assert graph_model.graph_pool is not None and plain_model.graph_pool is None
     generator = torch.Generator("cuda").manual_seed(0)
     outputs = []
     for _ in range(3):  # capture, then replays on fresh inputs: the static buffers really are refilled

@@ -269,7 +269,7 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
     api.create_repo(finetune)
     finetune_revision = api.upload_folder(repo_id=finetune, folder_path=finetune_folder).oid
     pipe = aotbuild.load_pipeline(result.folder, weights=f"{finetune}@{finetune_revision}")
-    assert pipe.vae.weights["decoder.conv_in.weight"].dtype == torch.bfloat16
+    assert pipe.vae.decoder.weights["decoder.conv_in.weight"].dtype == torch.bfloat16
     reference = StableDiffusionXLPipeline.from_pretrained(finetune_folder, torch_dtype=torch.bfloat16)
     reference.set_progress_bar_config(disable=True)
     images = [p("a red fox in the snow", num_inference_steps=2, height=64, width=64, guidance_scale=5.0,

@@ -38,12 +38,13 @@ def private_cache(tmp_path, monkeypatch) -> Path:
 
 def test_weights_are_hashed_once_per_file_packages_every_load(artifact_copy, private_cache):
     manifest = read_manifest(artifact_copy)
-    weights = {"unet.safetensors", "vae_decoder.safetensors"}
+    weights = {"unet.safetensors", "vae_decoder.safetensors", "vae_encoder.safetensors"}
+    packages = {"unet.pt2", "vae_decoder.pt2", "vae_encoder.pt2"}
     first = check_artifact_files(artifact_copy, manifest)
-    assert weights | {"unet.pt2", "vae_decoder.pt2"} <= set(first)
+    assert weights | packages <= set(first)
     second = check_artifact_files(artifact_copy, manifest)
-    assert {"unet.pt2", "vae_decoder.pt2"} <= set(second) and not weights & set(second)  # trusted by its record
-    assert len(list((private_cache / "verified").iterdir())) == 2
+    assert packages <= set(second) and not weights & set(second)  # trusted by its record
+    assert len(list((private_cache / "verified").iterdir())) == 3
 
     # Rewritten in place with the same size: a new identity, so it is hashed again and refused.
     path = artifact_copy / "unet.safetensors"
@@ -157,7 +158,7 @@ def test_no_process_extracts_into_the_temporary_folder(built, private_cache, tmp
                                 env={**os.environ, "TMPDIR": str(tmp)})
         assert result.returncode == 0, result.stderr[-2000:]
         assert list(tmp.iterdir()) == []
-    assert len(list((private_cache / "packages").iterdir())) == 2  # unet, vae_decoder: extracted once
+    assert len(list((private_cache / "packages").iterdir())) == 3  # unet, vae_decoder, vae_encoder: once each
 
 
 def test_artifact_of_a_local_source_records_no_path_and_asks_for_it(artifact_copy, tiny_target, tmp_path):

@@ -49,11 +49,30 @@ def test_shipped_targets_parse_and_list():
     assert len(h100.revision) == 40 and int(h100.revision, 16) >= 0
     assert [str(s) for s in h100.shapes] == ["1x1024x1024", "1x768x1344"]
     tiny = targets["cpu-tiny-sdxl"]
-    assert len(tiny.shapes) >= 2 and tiny.components == ("unet", "vae_decoder")
+    assert len(tiny.shapes) >= 2 and tiny.components == ("unet", "vae_decoder", "vae_encoder")
+    assert tiny.guidance == "both" and targets["cpu-tiny-sdxl-int8"].guidance == "guided"
+    assert targets["cpu-tiny-sd15"].tiling == ("vae_decoder", "vae_encoder")
 
 
-def test_round_trip_through_dict():
-    target = load_target(TARGETS / "h100-sdxl.toml")
+def test_every_shipped_target_serves_the_pipelines_default_call():
+    """`pipe(prompt)` works as shipped: a bucket (or the dynamic range) covers the size the pipeline
+    makes by default, or there is a square bucket the compiled pipeline defaults to instead."""
+    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.sources import local_folder, read_configs
+
+    hub_defaults = {"StableDiffusionPipeline": 512}  # SD 1.5 base; SDXL, SD3 and Flux make 1024 px
+    for target in list_targets(TARGETS):
+        folder = local_folder(target.source, target.base_dir)
+        native = pipeline_spec(target.pipeline).default_pixels(read_configs(folder)) if folder else \
+            hub_defaults.get(target.pipeline, 1024)
+        covered = any(b.height == b.width == native for b in target.shapes) or bool(
+            target.dynamic and all(target.dynamic[a][0] <= native <= target.dynamic[a][1] for a in ("height", "width")))
+        assert covered or any(b.height == b.width for b in target.shapes), target.name
+
+
+@pytest.mark.parametrize("name", ["h100-sdxl", "cpu-tiny-sd15", "cpu-tiny-sdxl-int8"])
+def test_round_trip_through_dict(name):
+    target = load_target(TARGETS / f"{name}.toml")
     again = Target.from_dict(target.to_dict(), base_dir=target.base_dir)
     assert again == target and again.content_hash() == target.content_hash()
 
@@ -94,6 +113,15 @@ BAD = [
     (GOOD + "[[shapes]]\nbatch = 1\nheight = 64\nwidth = 64\n", r"'shapes\[1\]' repeats bucket 1x64x64"),
     (GOOD.replace('name = "t"', 'name = "other"'), r"key 'name' is 'other' but the file is named 't'"),
     ("name = [", r"not valid TOML"),
+    (GOOD.replace('device = "cpu"', 'device = "cpu"\nguidance = "sometimes"'),
+     r"'guidance' is 'sometimes'; allowed: both, guided, unguided"),
+    (GOOD.replace('device = "cpu"', 'device = "cpu"\nguidance_scale = 1.0'),
+     r"'guidance_scale' = 1 turns guidance off, and guidance = 'both' builds guided variants"),
+    (GOOD.replace("unet = {}", "unet = { tiling = true }"), r"'components.unet.tiling': only the VAE's parts"),
+    (GOOD.replace("unet = {}", "vae_decoder = { tiles = true }"),
+     r"'components.vae_decoder.tiles' is not an option; allowed: tiling"),
+    (GOOD.replace("unet = {}", "vae_decoder = { tiling = 1 }"),
+     r"'components.vae_decoder.tiling' must be true or false"),
 ]
 
 
@@ -118,7 +146,9 @@ def test_cli_targets_lists_one_line_each():
     assert result.exit_code == 0, result.output
     lines = {line.split()[0]: line for line in result.output.splitlines()}
     assert "shapes=1x64x64,2x64x96,1-3x32-96x32-96" in lines["cpu-tiny-sdxl"]
-    assert "components=unet,vae_decoder" in lines["cpu-tiny-sdxl"]
+    assert "components=unet,vae_decoder,vae_encoder" in lines["cpu-tiny-sdxl"]
+    assert "components=unet,vae_decoder[tiling],vae_encoder[tiling]" in lines["cpu-tiny-sd15"]
+    assert lines["cpu-tiny-sdxl-int8"].endswith(" guidance=guided")
     assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
     assert lines["h200-sdxl-random"].endswith(" cuda_graphs") and lines["a100-sdxl"].endswith(" multi_arch")
     assert not lines["cpu-tiny-sdxl"].endswith(("cuda_graphs", "multi_arch"))
@@ -163,3 +193,14 @@ def test_sd3_sizes_beyond_its_position_embedding_are_refused(tmp_path):
     dynamic = SD3.replace("HEIGHT", "64") + "[dynamic]\nbatch = [1, 1]\nheight = [64, 512]\nwidth = [64, 64]\n"
     with pytest.raises(TargetError, match=r"'dynamic.height' = 512 is above 256"):
         load_target(write_target(tmp_path, dynamic))
+
+
+def test_guidance_choice_is_refused_where_the_batch_ignores_it(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-flux").symlink_to(TARGETS / "configs" / "tiny-flux")
+    text = (GOOD.replace("StableDiffusionXLPipeline", "FluxPipeline").replace("tiny-sdxl", "tiny-flux")
+            .replace("unet = {}", "transformer = {}").replace('device = "cpu"', 'device = "cpu"\nguidance = "guided"'))
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(TargetError, match="FluxPipeline's denoiser batch is the same with and without guidance"):
+        load_target(path)
