@@ -16,7 +16,8 @@ from .errors import CorruptArtifactError, IncompatibleArtifactError
 
 MANIFEST_NAME = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in targets
-SCHEMA_VERSION = 2  # 2: only bound constants are stored, non-contiguous ones in memory order (constants.layouts)
+SCHEMA_VERSION = 3  # 2: only bound constants are stored, non-contiguous ones in memory order (constants.layouts);
+# 3: batch dims in units of the call's batch over `call_batch` (guided and unguided calls), VAE parts
 # x86 CPU capabilities torch reports, weakest first: code built for one runs on any later one.
 CPU_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
 # Inductor compiles CPU code with -march=native: these instruction-set flags of the build machine
