@@ -49,7 +49,7 @@ def targets(targets_dir: Path | None) -> None:
         runtime = ["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
         runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")
         components = ",".join(c + "[tiling]" * (c in t.tiling) for c in t.components)
-        click.echo(f"{t.name:<20} {t.device:<5} {t.dtype:<9} {t.pipeline:<26} shapes={shapes} "
+        click.echo(f"{t.name:<22} {t.device:<5} {t.dtype:<9} {t.pipeline:<32} shapes={shapes} "
                    f"components={components}" + (f" {' '.join(runtime)}" if runtime else ""))
 
 
