@@ -431,8 +431,10 @@ def _tiled_against_untiled(pipe: Any, bucket: Any, runs: int) -> dict[str, Any]:
     first pair warms up); the same compiled pipeline, the same latents."""
     import torch
 
+    from .pipelines import vae_factor
+
     vae = pipe.vae
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    factor = vae_factor(vae.config)
     latents = torch.randn(bucket.batch, vae.config.latent_channels, bucket.height // factor, bucket.width // factor,
                           generator=torch.Generator().manual_seed(0))
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -11,6 +11,7 @@ failed or killed build leaves the previous artifact untouched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import math
@@ -39,7 +40,7 @@ from .manifest import (
     sha256_file,
     write_manifest,
 )
-from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec
+from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec, vae_factor
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .runtime.cache import check_artifact_files, mark_verified
 from .targets import ShapeBucket, Target
@@ -363,12 +364,11 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
             plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
     if target.dynamic:
         ranges = target.dynamic
-        corners = {"min": tuple(ranges[a][0] for a in shapes.AXES), "max": tuple(ranges[a][1] for a in shapes.AXES)}
-        for probe, size in {**corners, **shapes.probe_points(ranges, target.stride)}.items():
+        for probe, size in shapes.range_points(ranges, target.stride).items():
             points[f"dynamic:{probe}"] = CapturePoint(*size, modes[0])
         both = len(modes) > 1 and ranges["batch"][0] < ranges["batch"][1]  # else the batch dim is static
         if both:
-            points["dynamic:min:unguided"] = CapturePoint(*corners["min"], False)
+            points["dynamic:min:unguided"] = dataclasses.replace(points["dynamic:min"], guided=False)
         for s in specs:
             served = ("dynamic:base", "dynamic:min", "dynamic:max", *(("dynamic:min:unguided",) if both and s.denoiser
                                                                         else ()))
@@ -378,9 +378,7 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
     for s in specs:
         if s.name in target.tiling:
             ranges = _tile_ranges(s, vae, target.stride, largest)
-            corners = {"min": tuple(ranges[a][0] for a in shapes.AXES),
-                       "max": tuple(ranges[a][1] for a in shapes.AXES)}
-            for probe, size in {**corners, **shapes.probe_points(ranges, ranges["stride"])}.items():
+            for probe, size in shapes.range_points(ranges, ranges["stride"]).items():
                 points[f"tile:{s.name}:{probe}"] = CapturePoint(*size, tile_of=s.name)
             served = tuple(f"tile:{s.name}:{probe}" for probe in ("base", "min", "max"))
             plans[s.name].append(VariantPlan("tile", "tile", served, ranges=ranges))
@@ -391,7 +389,7 @@ def _tile_ranges(spec: ComponentSpec, vae: Any, stride: int, largest: int) -> di
     """The tiles diffusers' tiled encode/decode cuts from images whose sides are multiples of
     `stride` px: full tiles and the remainders at the edges, all multiples of the step between
     tiles and the stride (pixels, batch in images)."""
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    factor = vae_factor(vae.config)
     if spec.part == "decoder":  # tiles are cut from latents
         tile = vae.tile_latent_min_size
         step = math.gcd(int(tile * (1 - vae.tile_overlap_factor)), stride // factor) * factor

@@ -8,7 +8,7 @@ validation all read these descriptions. This module imports torch only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +63,14 @@ def _first_tensor(args: tuple, kwargs: dict) -> CallInputs:
     return (args[0] if args else next(iter(kwargs.values())),), {}
 
 
-def _vae_factor_of(vae: torch.nn.Module) -> int:
-    return 2 ** (len(vae.config.block_out_channels) - 1)
+def vae_factor(config: Mapping[str, Any]) -> int:
+    """Pixels per latent pixel of a VAE config: it downsamples once per block but the last."""
+    return 2 ** (len(config["block_out_channels"]) - 1)
 
 
 def _random_latents(vae: torch.nn.Module, batch: int, height: int, width: int,
                     generator: torch.Generator) -> CallInputs:
-    factor = _vae_factor_of(vae)
+    factor = vae_factor(vae.config)
     shape = (batch, vae.config.latent_channels, height // factor, width // factor)
     return (torch.randn(shape, generator=generator),), {}
 
@@ -152,7 +153,7 @@ class PipelineSpec:
 
 
 def _vae_factor(configs: dict[str, dict]) -> int:
-    return 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
+    return vae_factor(configs["vae"])
 
 
 def _unet_pixel_stride(configs: dict[str, dict]) -> int:

@@ -43,6 +43,12 @@ def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[i
     return {"base": (b0, h0, w0), "batch": (b1, h0, w0), "height": (b0, h1, w0), "width": (b0, h0, w1)}
 
 
+def range_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, int, int]]:
+    """The range's "min" and "max" corners and its `probe_points`, as (batch, height, width)."""
+    corners = {corner: tuple(ranges[a][i] for a in AXES) for i, corner in enumerate(("min", "max"))}
+    return {**corners, **probe_points(ranges, stride)}
+
+
 def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[int]]],
              points: dict[str, tuple[int, int, int]], stride: int) -> list[list[Any]]:
     """Per tensor leaf, per dim: how it follows (batch, height, width).

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError
+from ..pipelines import vae_factor
 from .component import CompiledComponent, Config, MissingAttributeError
 
 # AutoencoderKL's methods run as they are on the stand-in: each calls `self.encoder(x)` /
@@ -37,7 +38,7 @@ class CompiledAutoencoderBase(torch.nn.Module):
         sample_size = config["sample_size"]
         sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size
         self.tile_sample_min_size = config["sample_size"]
-        self.tile_latent_min_size = int(sample_size / (2 ** (len(config["block_out_channels"]) - 1)))
+        self.tile_latent_min_size = int(sample_size / vae_factor(config))  # as AutoencoderKL.__init__
         self.tile_overlap_factor = 0.25
         self.component_name = "vae"
 

@@ -153,14 +153,21 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     return manifest, modules
 
 
+def _served_default(manifest: dict[str, Any]) -> tuple[int, int] | None:
+    """(served, native) pixels when the build chose another default size than the pipeline's own
+    (`default_pixels` in the manifest's runtime record), else None."""
+    sizes = manifest["runtime"].get("default_pixels") or {}
+    served, native = sizes.get("served"), sizes.get("native")
+    return (served, native) if served is not None and served != native else None
+
+
 def _serve_default_size(manifest: dict[str, Any], modules: dict[str, Any]) -> None:
     """When no variant covers the size a pipeline makes by default, the compiled denoiser reports
     the size the build chose instead as its `sample_size`, which the pipelines read for their
-    default (`default_pixels` in the manifest's runtime record)."""
-    sizes = manifest["runtime"].get("default_pixels") or {}
-    served, native = sizes.get("served"), sizes.get("native")
-    if served is None or served == native:
+    default."""
+    if (sizes := _served_default(manifest)) is None:
         return
+    served, native = sizes
     for module in modules.values():
         if isinstance(module, CompiledComponent) and "sample_size" in module.config:
             factor = native // module.config["sample_size"] if module.config["sample_size"] else 0
@@ -171,11 +178,10 @@ def _serve_default_size(manifest: dict[str, Any], modules: dict[str, Any]) -> No
 def _default_size_of(pipe: Any, manifest: dict[str, Any]) -> None:
     """Pipelines that keep their default size in `default_sample_size` (SDXL, SD3, Flux) get the
     served one too (Flux's is a constant, not read from the model's config)."""
-    sizes = manifest["runtime"].get("default_pixels") or {}
-    served, native = sizes.get("served"), sizes.get("native")
+    sizes = _served_default(manifest)
     factor = getattr(pipe, "vae_scale_factor", None)
-    if served is not None and served != native and factor and hasattr(pipe, "default_sample_size"):
-        pipe.default_sample_size = served // factor
+    if sizes is not None and factor and hasattr(pipe, "default_sample_size"):
+        pipe.default_sample_size = sizes[0] // factor
 
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,

@@ -170,7 +170,7 @@ class CompiledVariant:
         if graph is None:
             expected = [e for e in self.inputs if "shape" in e]
             shaped = [{**e, "shape": list(t.shape)} for t, e in zip(tensors, expected, strict=True)]
-            graph = self.cuda_graphs[key] = CudaGraph(f"{self.name} {[list(k) for k in key[:1]]}", self._run, shaped,
+            graph = self.cuda_graphs[key] = CudaGraph(f"{self.name} at {list(key[0])}", self._run, shaped,
                                                       self._device, self.graph_pool)
         return graph
 
