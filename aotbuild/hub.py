@@ -117,6 +117,7 @@ class PushResult:
     operations: list[str] = field(default_factory=list)
     commit_url: str | None = None
     pr_url: str | None = None
+    commit: str | None = None  # the commit's id
 
 
 def hub_endpoint() -> str | None:
@@ -190,7 +191,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
         raise
     except Exception as exc:  # HTTP errors, the client's connection errors, offline mode, bad repo ids
         raise _hub_error(f"push to {repo_id}", exc) from None
-    result.commit_url, result.pr_url = info.commit_url, info.pr_url
+    result.commit_url, result.pr_url, result.commit = info.commit_url, info.pr_url, info.oid
     return result
 
 
