@@ -15,6 +15,17 @@ from .errors import AotbuildError
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
+DEFAULT_STEPS = 4
+
+
+def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
+    """What a call leaves out defaults to, from a target's recorded content (a manifest's
+    `target`, or `Target.to_dict()`): its first bucket and its guidance (1, off, for an
+    artifact built without guidance), 4 steps, seed 0. `aotbuild run` and `aotbuild serve`."""
+    first = recorded["shapes"][0]
+    guidance = 1.0 if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
+    return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
+            "batch": first["batch"], "guidance_scale": guidance}
 
 
 def built_artifact(target: Target, artifacts_dir: Path) -> Path:

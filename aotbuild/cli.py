@@ -54,22 +54,52 @@ def targets(targets_dir: Path | None) -> None:
 
 
 @main.command()
-@click.option("--target", "target_name", required=True, help="target name in targets/ or path to a TOML file")
+@click.option("--target", "target_names", multiple=True, required=True,
+              help="target name in targets/ or path to a TOML file; repeat it to build several")
 @click.option("--force", is_flag=True, help="rebuild even when the artifact is fresh")
 @click.option("--allow-numerics-drift", is_flag=True, help="keep a build whose error exceeds its tolerance")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
-              help=ARTIFACTS_HELP)
-def build(target_name: str, force: bool, allow_numerics_drift: bool, artifacts: Path) -> None:
-    """Build artifacts/<target>/ (skipped when already fresh)."""
-    from .builder import build as run_build
+              help=ARTIFACTS_HELP + "; with --ray, storage every node shares (or give --push)")
+@click.option("--ray", "use_ray", is_flag=True, help="build each target as a Ray task: CPU targets on CPUs, CUDA "
+                                                     "targets on one GPU of their gpu.name kind")
+@click.option("--address", help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+@click.option("--cpus", type=click.FloatRange(0, min_open=True), default=1, show_default=True,
+              help="with --ray: CPUs each build reserves")
+@click.option("--push", "push_repo", metavar="ORG/NAME[@BRANCH]",
+              help="push each artifact to this Hub repo, from the machine that built it")
+@click.pass_context
+def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_numerics_drift: bool,
+          artifacts: Path, use_ray: bool, address: str | None, cpus: float, push_repo: str | None) -> None:
+    """Build artifacts/<target>/ (skipped when already fresh). Several targets, --ray or --push:
+    each target fails alone, a table sums them up, and the exit code is the number that failed."""
     from .targets import load_target
 
-    target = load_target(target_name)
-    result = run_build(target, artifacts, force=force, allow_numerics_drift=allow_numerics_drift)
-    if result.skipped:
-        click.echo(f"{result.folder}: fresh, nothing to do")
+    if (address or cpus != 1) and not use_ray:
+        raise AotbuildError("--address and --cpus place builds on Ray: add --ray")
+    if push_repo:
+        from .hub import parse_repo
+
+        parse_repo(push_repo)  # a malformed repo fails before any build
+    targets = [load_target(name) for name in target_names]
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise AotbuildError(f"target {max(names, key=names.count)!r} is named twice")
+    if len(targets) == 1 and not use_ray and not push_repo:
+        from .builder import build as run_build
+
+        result = run_build(targets[0], artifacts, force=force, allow_numerics_drift=allow_numerics_drift)
+        if result.skipped:
+            click.echo(f"{result.folder}: fresh, nothing to do")
+            return
+        click.echo(_summary(result.folder, result.manifest))
         return
-    click.echo(_summary(result.folder, result.manifest))
+    from .matrix import format_rows, run_matrix
+
+    rows = run_matrix(targets, artifacts, use_ray=use_ray, address=address, cpus=cpus, force=force,
+                      allow_numerics_drift=allow_numerics_drift, push_repo=push_repo,
+                      progress=lambda name, stage, msg: click.echo(f"[{name}] [{stage:>9}] {msg}", err=True))
+    click.echo(format_rows(rows))
+    ctx.exit(min(sum(row.failed for row in rows), 125))
 
 
 @main.command()
@@ -105,7 +135,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], artifacts: Path) -> None:
     """Generate an image with the artifact (aot) or the eager / torch.compile pipeline; with --image,
     img2img from it."""
-    from .backends import generate, parse_lora, prepare, prepare_artifact
+    from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
 
     if (target_name is None) == (artifact is None):
         raise AotbuildError("give --target NAME or --artifact FOLDER|hf://org/name[@revision]")
@@ -134,11 +164,11 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         recorded = target.to_dict()
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
     load_s = time.perf_counter() - start
-    first = recorded["shapes"][0]
+    defaults = call_defaults(recorded)
     if guidance_scale is None:
-        guidance_scale = 1.0 if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
-    gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or first["height"],
-                   width=width or first["width"], batch=batch or (1 if image else first["batch"]),
+        guidance_scale = defaults["guidance_scale"]
+    gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or defaults["height"],
+                   width=width or defaults["width"], batch=batch or (1 if image else defaults["batch"]),
                    guidance_scale=guidance_scale,
                    negative_prompt=negative_prompt, image=_read_image(image) if image else None, strength=strength)
     if output:
@@ -245,28 +275,82 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) 
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True, help="fresh processes per case")
 @click.option("--steps", type=click.IntRange(2), default=4, show_default=True, help="denoising steps per image")
 @click.option("--steady", type=click.IntRange(1), default=3, show_default=True, help="steady images per process")
-@click.option("--cases", default=",".join(("eager", "compile", "compile-cached", "aot")), show_default=True,
-              help="comma-separated cases; on request: aot-dynamic (the dynamic model at the first bucket's "
-                   "shape), aot-cuda-graphs and aot-no-cuda-graphs (CUDA targets: graphs forced on / off), "
-                   "aot-lora (LoRA switches), aot-tiling (the first bucket decoded whole and by tiles)")
+@click.option("--cases", help="comma-separated cases (default: eager,compile,compile-cached,aot); on request: "
+                              "aot-dynamic (the dynamic model at the first bucket's shape), aot-cuda-graphs and "
+                              "aot-no-cuda-graphs (CUDA targets: graphs forced on / off), aot-lora (LoRA switches), "
+                              "aot-tiling (the first bucket decoded whole and by tiles); with --serve: backends "
+                              "(default: aot,eager,compile)")
+@click.option("--serve", "replicas", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
+                                                        "image, per backend; writes serve-bench.json")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
-def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str, plot_path: Path | None,
-          artifacts: Path) -> None:
+def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, replicas: bool, port: int,
+          plot_path: Path | None, artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json."""
-    from .bench import BENCH_NAME, format_table, plot, run_bench
+    from .bench import BENCH_NAME, CASES, format_table, plot, run_bench
     from .targets import load_target
 
     target = load_target(target_name)
-    document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady,
-                         cases=tuple(c.strip() for c in cases.split(",") if c.strip()),
-                         progress=lambda msg: click.echo(f"[bench] {msg}", err=True))
+    progress = lambda msg: click.echo(f"[bench] {msg}", err=True)  # noqa: E731
+    chosen = tuple(c.strip() for c in cases.split(",") if c.strip()) if cases else None
+    if replicas:
+        from .backends import BACKENDS
+        from .serve import SERVE_BENCH_NAME, bench_replicas, format_replica_table
+
+        if plot_path:
+            raise AotbuildError("--plot draws `aotbuild bench`, not --serve")
+        document = bench_replicas(target_name, artifacts, cases=chosen or BACKENDS, repeats=repeats, steps=steps,
+                                  steady=steady, port=port, progress=progress)
+        click.echo(format_replica_table(document))
+        click.echo(f"wrote {artifacts / target.name / SERVE_BENCH_NAME}")
+        return
+    document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady, cases=chosen or CASES,
+                         progress=progress)
     click.echo(format_table(document))
     click.echo(f"wrote {artifacts / target.name / BENCH_NAME}")
     if plot_path:
         plot(document, plot_path)
         click.echo(f"wrote {plot_path}")
+
+
+@main.command()
+@click.option("--artifact", required=True, help="an artifact folder or hf://org/name[@revision]")
+@click.option("--replicas", type=click.IntRange(1), help="replicas to run (default 1)")
+@click.option("--autoscale", metavar="MIN:MAX", help="instead of --replicas: scale between MIN and MAX replicas "
+                                                     "by ongoing requests")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every one)")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--address", help="the Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+@click.option("--cpus", type=click.FloatRange(0), default=1, show_default=True, help="CPUs each replica reserves")
+@click.option("--gpus", type=click.FloatRange(0), help="GPUs each replica reserves (default: 1 for a CUDA "
+                                                        "artifact folder, else 0)")
+@click.option("--gpu-type", help="the GPU kind replicas need, Ray's accelerator type (default: a CUDA artifact "
+                                 "folder's gpu.name)")
+@click.option("--max-steps", type=click.IntRange(1), default=50, show_default=True, help="most steps a request may ask")
+@click.option("--max-images", type=click.IntRange(1), default=4, show_default=True,
+              help="most images a request may ask")
+def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
+          cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int) -> None:
+    """Serve text-to-image over HTTP on Ray Serve: each replica loads the artifact once; POST JSON
+    (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images, output) to the URL."""
+    from .serve import parse_autoscale, run_server
+
+    if replicas is not None and autoscale is not None:
+        raise AotbuildError("give --replicas or --autoscale, not both")
+    bounds = parse_autoscale(autoscale) if autoscale else None
+    if not artifact.startswith("hf://"):
+        from .manifest import read_manifest
+
+        artifact = str(Path(artifact).resolve())  # replicas may start in another folder
+        target = read_manifest(Path(artifact))["target"]  # a wrong folder fails here, not in every replica
+        if target["device"] == "cuda":
+            gpus = 1 if gpus is None else gpus
+            gpu_type = gpu_type or target["gpu"]["name"]
+    run_server(artifact, host=host, port=port, address=address, echo=click.echo, replicas=replicas or 1,
+               autoscale=bounds, cpus=cpus, gpus=gpus or 0, gpu_type=gpu_type, max_steps=max_steps,
+               max_images=max_images)
 
 
 @main.command()

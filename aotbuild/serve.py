@@ -1,0 +1,371 @@
+"""Serving on Ray Serve (the optional extra `aotbuild[ray]`): each replica loads the artifact once,
+in its constructor, and serves text-to-image over HTTP.
+
+    POST /        {"prompt": "...", "steps": 4, "seed": 0, ...}  -> image/png, or JSON with base64 PNGs
+    GET  /health  200 with what the replica serves, once its compiled models are loaded
+
+A bad request (unknown field, wrong type, a size no compiled variant covers, more steps than
+allowed) gets a 4xx with a readable message, and the replica goes on serving. `aotbuild serve`
+runs it; `app()` gives the Serve application to run yourself. `bench_replicas` measures replica
+cold start, deploy to first response, for aot against eager and torch.compile replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import statistics
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .errors import AotbuildError
+
+APP_NAME = "aotbuild"
+# Each request field and what it means; `images` is num_images_per_prompt.
+REQUEST_FIELDS = {
+    "prompt": "the text to draw (required)",
+    "negative_prompt": "what to steer away from (needs guidance)",
+    "steps": "denoising steps",
+    "guidance_scale": "classifier-free guidance; 1 turns it off",
+    "height": "pixels",
+    "width": "pixels",
+    "seed": "the generator's seed",
+    "images": "images for the prompt",
+    "output": '"png" (one image, the body is the PNG) or "json" (base64 PNGs)',
+}
+MAX_STEPS = 50
+MAX_IMAGES = 4
+UPSCALE_DELAY_S = 5
+SERVE_BENCH_NAME = "serve-bench.json"
+SERVE_BENCH_FIGURES = {
+    "ready_s": "deploy to replica ready (its constructor done: process, imports, load)",
+    "first_response_s": "deploy to the first image received",
+    "steady_response_s": "later requests, median",
+    "load_s": "the replica's pipeline load",
+    "random_init_s": "creating random weights (random: sources), kept out of the timed figures",
+}
+
+
+class RequestError(AotbuildError):
+    """A request the server refuses; `status` is its HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_STEPS,
+                  max_images: int = MAX_IMAGES) -> dict[str, Any]:
+    """A request's JSON body checked and completed from `defaults` (`backends.call_defaults`).
+
+    Raises:
+        RequestError: 400, naming the field and what it takes.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(400, 'the body must be a JSON object, e.g. {"prompt": "a red fox"}')
+    if unknown := sorted(set(body) - set(REQUEST_FIELDS)):
+        raise RequestError(400, f"unknown field {unknown[0]!r}; the fields are: {', '.join(REQUEST_FIELDS)}")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError(400, "field 'prompt' is required: a non-empty string")
+    negative = body.get("negative_prompt")
+    if negative is not None and not isinstance(negative, str):
+        raise RequestError(400, "field 'negative_prompt' must be a string")
+
+    def integer(name: str, low: int, high: int | None = None) -> int:
+        value = body.get(name, defaults[name] if name != "images" else 1)  # one image unless asked
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RequestError(400, f"field {name!r} must be an integer, got {json.dumps(value)}")
+        if value < low or (high is not None and value > high):
+            limit = f"{low} to {high}" if high is not None else f"at least {low}"
+            raise RequestError(400, f"field {name!r} is {value}; this server takes {limit}")
+        return value
+
+    guidance = body.get("guidance_scale", defaults["guidance_scale"])
+    if isinstance(guidance, bool) or not isinstance(guidance, int | float) or guidance < 0:
+        raise RequestError(400, f"field 'guidance_scale' must be a number >= 0, got {json.dumps(guidance)}")
+    output = body.get("output", "png")
+    if output not in ("png", "json"):
+        raise RequestError(400, f'field \'output\' is "png" or "json", got {json.dumps(output)}')
+    request = {"prompt": prompt, "negative_prompt": negative, "steps": integer("steps", 1, max_steps),
+               "guidance_scale": float(guidance), "height": integer("height", 1), "width": integer("width", 1),
+               "seed": integer("seed", 0, 2**63 - 1), "images": integer("images", 1, max_images), "output": output}
+    if output == "png" and request["images"] > 1:
+        raise RequestError(400, f'"output": "png" returns one image; ask "output": "json" for {request["images"]}')
+    return request
+
+
+def png_bytes(image: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class ImageServer:
+    """One replica: the pipeline loaded once, in the constructor; requests one at a time.
+
+    Args:
+        artifact: an artifact folder or `hf://org/name[@revision]` (the aot backend).
+        target: instead, a target file run the `backend` way ("eager" or "compile", for comparison).
+    """
+
+    def __init__(self, artifact: str | None = None, *, target: str | None = None, backend: str = "aot",
+                 artifacts_dir: str = "artifacts", max_steps: int = MAX_STEPS, max_images: int = MAX_IMAGES) -> None:
+        from .backends import call_defaults, prepare, prepare_artifact
+        from .sources import random_init_seconds
+
+        start = time.perf_counter()
+        if artifact is not None:
+            self.pipe, recorded = prepare_artifact(artifact)
+        else:
+            from .targets import load_target
+
+            loaded = load_target(target)
+            self.pipe, recorded = prepare(loaded, backend, Path(artifacts_dir)), loaded.to_dict()
+        self.random_init_s = random_init_seconds()
+        self.load_s = time.perf_counter() - start - self.random_init_s
+        self.defaults = call_defaults(recorded)
+        self.limits = {"max_steps": max_steps, "max_images": max_images}
+        self.about = {"artifact": artifact, "target": recorded["name"], "backend": backend,
+                      "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits}
+        self._lock = asyncio.Lock()  # a pipeline runs one call at a time; /health does not wait for it
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: the constructor finished, so the compiled models are loaded."""
+        if getattr(self, "pipe", None) is None:
+            raise RuntimeError("the pipeline is not loaded")
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse, Response
+
+        replica = _replica_id()
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path.endswith("/health"):
+            return JSONResponse({"status": "ready", "replica": replica, "load_s": self.load_s,
+                                 "random_init_s": self.random_init_s, **self.about})
+        if request.method != "POST":
+            return JSONResponse({"error": f"{request.method} {request.url.path}: POST a JSON request to / "
+                                          f"or GET /health"}, status_code=405)
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                raise RequestError(400, f"the body is not JSON: {exc}") from None
+            call = parse_request(body, self.defaults, **self.limits)
+            async with self._lock:
+                images, seconds = await asyncio.to_thread(self._generate, call)
+        except RequestError as exc:
+            return JSONResponse({"error": str(exc), "replica": replica}, status_code=exc.status)
+        except (AotbuildError, ValueError) as exc:  # diffusers' and aotbuild's words for a call they cannot make
+            hint = f" ({exc.hint})" if getattr(exc, "hint", None) else ""
+            return JSONResponse({"error": f"{exc}{hint}", "replica": replica}, status_code=422)
+        except Exception as exc:  # the replica keeps serving; the client learns what failed
+            return JSONResponse({"error": f"{type(exc).__name__}: {exc}", "replica": replica}, status_code=500)
+        headers = {"x-aotbuild-replica": replica, "x-aotbuild-seconds": f"{seconds:.4f}"}
+        if call["output"] == "png":
+            return Response(png_bytes(images[0]), media_type="image/png", headers=headers)
+        return JSONResponse({"images": [base64.b64encode(png_bytes(i)).decode() for i in images],
+                             "replica": replica, "seconds": seconds}, headers=headers)
+
+    def _generate(self, call: dict[str, Any]) -> tuple[list[Any], float]:
+        from .backends import generate
+
+        result = generate(self.pipe, call["prompt"], steps=call["steps"], seed=call["seed"], height=call["height"],
+                          width=call["width"], batch=call["images"], guidance_scale=call["guidance_scale"],
+                          negative_prompt=call["negative_prompt"])
+        return result.images, result.total_s
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+def app(artifact: str | None = None, *, target: str | None = None, backend: str = "aot",
+        artifacts_dir: str | os.PathLike = "artifacts", replicas: int = 1, autoscale: tuple[int, int] | None = None,
+        cpus: float = 1, gpus: float = 0, gpu_type: str | None = None, max_steps: int = MAX_STEPS,
+        max_images: int = MAX_IMAGES, env: dict[str, str] | None = None) -> Any:
+    """The Serve application of `ImageServer`: `replicas` of them, or `autoscale` (min, max)
+    scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind `gpu_type`, Ray's
+    accelerator type). `env`: more environment for the replicas (the driver's Hub settings are
+    passed on). Run it with `ray.serve.run(app(...))`."""
+    from ray import serve
+
+    from .cluster import forwarded_env, require_ray
+
+    require_ray()
+    actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": {**forwarded_env(), **(env or {})}}}
+    if gpu_type:
+        actor["accelerator_type"] = gpu_type
+    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": 8}
+    if autoscale:
+        # An image takes seconds: one request in flight per replica is the load to scale by, and a
+        # queue that lasts UPSCALE_DELAY_S is worth a replica (Serve's default waits 30 s).
+        options["autoscaling_config"] = {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
+                                         "target_ongoing_requests": 1, "upscale_delay_s": UPSCALE_DELAY_S,
+                                         "metrics_interval_s": 1, "look_back_period_s": 5}
+    else:
+        options["num_replicas"] = replicas
+    deployment = serve.deployment(ImageServer, name="ImageServer", **options)
+    return deployment.bind(artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir),
+                           max_steps=max_steps, max_images=max_images)
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """`MIN:MAX` replicas."""
+    low, sep, high = text.partition(":")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        bounds = (-1, -1)
+    if not sep or not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
+        raise AotbuildError(f"--autoscale {text!r}: give MIN:MAX replicas, 0 <= MIN <= MAX, MAX >= 1")
+    return bounds
+
+
+def deploy(application: Any, name: str, route_prefix: str) -> None:
+    """`serve.run`, which returns once every replica is ready; a replica that cannot start
+    (its constructor raised) is an AotbuildError with the replica's message."""
+    from ray import serve
+
+    try:
+        serve.run(application, name=name, route_prefix=route_prefix)
+    except RuntimeError as exc:
+        detail = next((line.strip() for line in reversed(str(exc).splitlines()) if "Error" in line), str(exc))
+        raise AotbuildError(f"the {name} replicas could not start: {detail}") from None
+
+
+def run_server(artifact: str, *, host: str, port: int, address: str | None, echo: Any, **options: Any) -> None:
+    """Deploy on Ray (joined, or started here), print the URL, serve until Ctrl-C or SIGTERM, then
+    remove the application (and stop what was started here)."""
+    import signal
+
+    from ray import serve
+
+    from .cluster import ray_session
+
+    with ray_session(address) as started_here:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            deploy(app(artifact, **options), APP_NAME, "/")
+            url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+            echo(f"serving {artifact} at {url} (POST a JSON request; GET {url}health); Ctrl-C stops")
+            signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            echo("stopping")
+        finally:
+            serve.delete(APP_NAME)
+            if started_here:
+                serve.shutdown()
+    echo("stopped")
+
+
+def request(url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-case names, body) of a GET (no body) or JSON POST; HTTP errors
+    are returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, ...] = ("aot", "eager", "compile"),
+                   repeats: int = 1, steps: int = 4, steady: int = 2, port: int = 8000, address: str | None = None,
+                   progress: Any = None) -> dict[str, Any]:
+    """Replica cold start per backend, side by side: each repetition deploys each case afresh (a
+    new replica process, an empty inductor cache, the artifact out of the page cache), times
+    deploy to ready and to the first image, then `steady` more requests; writes serve-bench.json
+    into the artifact folder.
+
+    Raises:
+        AotbuildError: an unknown case, no artifact, or a request that failed.
+    """
+    from ray import serve
+
+    from .backends import BACKENDS, built_artifact, call_defaults
+    from .bench import drop_page_cache, summarize
+    from .cluster import ray_session
+    from .manifest import environment
+    from .targets import load_target
+
+    if unknown := [c for c in cases if c not in BACKENDS]:
+        raise AotbuildError(f"unknown serve bench case {unknown[0]!r}; known: {', '.join(BACKENDS)}")
+    target = load_target(target_path)
+    target_path = str(target.base_dir / f"{target.name}.toml")
+    artifacts_dir = Path(artifacts_dir).resolve()
+    folder = built_artifact(target, artifacts_dir)
+    defaults = call_defaults(target.to_dict())
+    call = {"prompt": "a photo of a red fox in the snow", "steps": steps, "seed": 0, "height": defaults["height"],
+            "width": defaults["width"], "images": defaults["batch"], "output": "json"}
+    runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
+    with ray_session(address), tempfile.TemporaryDirectory(prefix="aotbuild-serve-bench-") as work:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for rep in range(repeats):
+            for case in cases:
+                if progress:
+                    progress(f"repetition {rep + 1}/{repeats}: {case}")
+                if case == "aot":
+                    drop_page_cache([p for p in folder.rglob("*") if p.is_file()])
+                caches = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=work)}
+                application = app(str(folder) if case == "aot" else None, target=target_path, backend=case,
+                                  artifacts_dir=artifacts_dir, env=caches)
+                name, url = f"bench-{case}", f"http://127.0.0.1:{port}/bench-{case}"
+                start = time.perf_counter()
+                try:
+                    deploy(application, name, f"/bench-{case}")
+                    ready = time.perf_counter() - start
+                    responses = [_timed_post(url, call) for _ in range(steady + 1)]
+                    first = ready + responses[0]
+                    health = json.loads(request(url + "/health")[2])
+                finally:
+                    serve.delete(name)
+                random_init = health["random_init_s"]
+                runs[case].append({"ready_s": ready - random_init, "first_response_s": first - random_init,
+                                   "steady_response_s": statistics.median(responses[1:]) if steady else None,
+                                   "load_s": health["load_s"], "random_init_s": random_init})
+    summary = {case: {f: summarize([r[f] for r in case_runs]) for f in SERVE_BENCH_FIGURES}
+               for case, case_runs in runs.items()}
+    document = {"meta": {"target": target.name, "steps": steps, "repeats": repeats, "call": call,
+                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                "environment": environment(target.device), "figures": SERVE_BENCH_FIGURES, "runs": runs,
+                "summary": summary}
+    (folder / SERVE_BENCH_NAME).write_text(json.dumps(document, indent=2) + "\n")
+    return document
+
+
+def _timed_post(url: str, call: dict[str, Any]) -> float:
+    start = time.perf_counter()
+    status, _, body = request(url, call)
+    if status != 200:
+        raise AotbuildError(f"serve bench: {url} answered {status}: {body[:300].decode(errors='replace')}")
+    return time.perf_counter() - start
+
+
+def format_replica_table(document: dict[str, Any]) -> str:
+    """Median [min-max] of each figure per case, and each case's ratio to aot."""
+    cases = list(document["summary"])
+    lines = [f"{'figure':<20}" + "".join(f"{c:>24}" for c in cases)]
+    for figure in SERVE_BENCH_FIGURES:
+        cells = []
+        for case in cases:
+            s = document["summary"][case][figure]
+            cells.append("-" if s["median"] is None else f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]")
+        lines.append(f"{figure:<20}" + "".join(f"{c:>24}" for c in cells))
+    if "aot" in cases:
+        aot = document["summary"]["aot"]["first_response_s"]["median"]
+        lines.append("first response / aot" + "".join(
+            f"{document['summary'][c]['first_response_s']['median'] / aot:>23.2f}x" for c in cases))
+    return "\n".join(lines)

@@ -1,0 +1,377 @@
+"""Scale-out on a real local Ray (started once for the session, the machine's 2 CPUs): the build
+matrix as Ray tasks into a shared folder and pushed to the test Hub, and Ray Serve replicas of the
+tiny SDXL artifact answering HTTP requests with the images `aotbuild run` makes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from aotbuild.cli import main
+from aotbuild.serve import REQUEST_FIELDS, RequestError, parse_request, request
+
+from .conftest import ROOT, TARGETS
+from .hubserver import FakeHub
+
+TOKEN = "hf_aotbuildRayTestToken42"
+DEFAULTS = {"steps": 4, "seed": 0, "height": 64, "width": 64, "batch": 2, "guidance_scale": 5.0}
+LATENCIES: dict[str, list[float]] = {}  # request kind -> seconds, printed at the end of the module
+
+
+# --- requests, checked without Ray ---------------------------------------------------------------
+
+def test_request_defaults_and_fields():
+    call = parse_request({"prompt": "a fox"}, DEFAULTS)
+    assert call == {"prompt": "a fox", "negative_prompt": None, "steps": 4, "guidance_scale": 5.0, "height": 64,
+                    "width": 64, "seed": 0, "images": 1, "output": "png"}
+    call = parse_request({"prompt": "a fox", "images": 3, "output": "json", "guidance_scale": 1}, {**DEFAULTS})
+    assert (call["images"], call["output"], call["guidance_scale"]) == (3, "json", 1.0)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ([], 400, "must be a JSON object"),
+    ({"prompt": "a fox", "num_inference_steps": 4}, 400, "unknown field 'num_inference_steps'; the fields are: "
+                                                          + ", ".join(REQUEST_FIELDS)),
+    ({"steps": 2}, 400, "field 'prompt' is required"),
+    ({"prompt": "a fox", "steps": 500}, 400, "field 'steps' is 500; this server takes 1 to 50"),
+    ({"prompt": "a fox", "steps": "4"}, 400, "field 'steps' must be an integer, got \"4\""),
+    ({"prompt": "a fox", "height": True}, 400, "field 'height' must be an integer, got true"),
+    ({"prompt": "a fox", "images": 9}, 400, "field 'images' is 9; this server takes 1 to 4"),
+    ({"prompt": "a fox", "images": 2}, 400, '"output": "png" returns one image; ask "output": "json" for 2'),
+    ({"prompt": "a fox", "guidance_scale": -1}, 400, "field 'guidance_scale' must be a number >= 0"),
+    ({"prompt": "a fox", "output": "gif"}, 400, "field 'output' is \"png\" or \"json\""),
+])
+def test_bad_requests_are_named(body, status, words):
+    with pytest.raises(RequestError) as info:
+        parse_request(body, DEFAULTS)
+    assert info.value.status == status
+    assert words in str(info.value)
+
+
+def test_build_options_need_ray():
+    result = CliRunner().invoke(main, ["build", "--target", "cpu-tiny-sd15", "--address", "127.0.0.1:6379"])
+    assert result.exit_code == 1
+    assert "--address and --cpus place builds on Ray: add --ray" in result.output
+
+
+def test_serve_refuses_a_folder_that_is_no_artifact(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--artifact", str(tmp_path)])
+    assert result.exit_code == 1
+    assert f"{tmp_path.resolve()} is not an artifact: manifest.json is missing" in result.output
+    result = CliRunner().invoke(main, ["serve", "--artifact", str(tmp_path), "--replicas", "2", "--autoscale", "1:2"])
+    assert "give --replicas or --autoscale, not both" in result.output
+
+
+# --- one Ray for the session ---------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray of this machine's 2 CPUs; yields its address for other processes to join."""
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False)
+    yield ray.get_runtime_context().gcs_address
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def matrix_targets(tmp_path_factory) -> dict[str, Path]:
+    """Two tiny CPU targets (a VAE decoder each, a build of ~30 s) and one whose model config is
+    broken, so its build fails in its worker; target files of their own, beside the config sets."""
+    folder = tmp_path_factory.mktemp("matrix-targets")
+    (folder / "configs").symlink_to(TARGETS / "configs")
+    broken = folder / "broken"
+    shutil.copytree(TARGETS / "configs" / "tiny-sd15", broken / "configs" / "tiny-sd15")
+    vae = broken / "configs" / "tiny-sd15" / "vae" / "config.json"
+    config = json.loads(vae.read_text())
+    config["up_block_types"][0] = "NoSuchBlock2D"
+    vae.write_text(json.dumps(config))
+    files = {}
+    for name, place, height in (("ray-a", folder, 64), ("ray-b", folder, 32), ("ray-broken", broken, 64)):
+        files[name] = place / f"{name}.toml"
+        files[name].write_text(f'name = "{name}"\ndescription = "matrix test"\npipeline = "StableDiffusionPipeline"\n'
+                               f'source = "random:tiny-sd15"\nseed = 0\ndevice = "cpu"\ndtype = "float32"\n\n'
+                               f'[[shapes]]\nbatch = 1\nheight = {height}\nwidth = 64\n\n'
+                               f'[components]\nvae_decoder = {{}}\n')
+    return files
+
+
+@pytest.fixture(scope="module")
+def matrix_run(ray_cluster, matrix_targets, tmp_path_factory):
+    """`aotbuild build --ray` of the two targets, the broken one and an H100 target (no such GPU
+    here) into one shared folder."""
+    shared = tmp_path_factory.mktemp("shared") / "artifacts"
+    args = ["build", "--ray", "--artifacts", str(shared), "--target", str(matrix_targets["ray-a"]),
+            "--target", str(matrix_targets["ray-b"]), "--target", str(matrix_targets["ray-broken"]),
+            "--target", "h100-sdxl"]
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, args)
+    print(f"\nmatrix run ({time.perf_counter() - start:.1f} s):\n{result.stdout}")
+    return shared, result
+
+
+def _rows(stdout: str) -> dict[str, list[str]]:
+    """The summary table's rows by target."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("target "))
+    return {line.split()[0]: line.split() for line in lines[start + 1:] if " of " not in line and line[:1] != " "}
+
+
+@pytest.mark.slow
+def test_matrix_builds_each_target_on_ray_and_fails_them_alone(matrix_run, ray_cluster):
+    import ray
+
+    shared, result = matrix_run
+    assert result.exit_code == 2, result.output  # the number of failed targets
+    rows = _rows(result.stdout)
+    node = f"({ray.util.get_node_ip_address()})"
+    for name in ("ray-a", "ray-b"):
+        assert rows[name][2:4] == [node, "built"], rows[name]
+        verified = CliRunner().invoke(main, ["verify", str(shared / name)])
+        assert verified.exit_code == 0, verified.output
+        manifest = json.loads((shared / name / "manifest.json").read_text())
+        assert manifest["components"]["vae_decoder"]["variants"][0]["numerics"]["max_rel_error"] < 1e-3
+    assert rows["ray-broken"][3] == "failed"
+    assert "ray-broken: ValueError: NoSuchBlock2D does not exist." in result.stdout
+    assert rows["h100-sdxl"][1:3] == ["-", "failed"]
+    assert ("h100-sdxl: not scheduled: no node of this Ray cluster has a GPU of kind H100 "
+            "(resource accelerator_type:H100); GPU kinds here: none") in result.stdout
+    assert "2 of 4 targets ok, 2 failed:" in result.stdout
+    # Progress per target reached the driver as the builds went.
+    for line in ("[ray-a] [  compile] vae_decoder b1_64x64", "[ray-b] [  compile] vae_decoder b1_32x64",
+                 "[ray-a] [    built] on "):
+        assert line in result.stderr
+    assert not (shared / "ray-broken").exists()  # nothing half-written
+
+
+@pytest.mark.slow
+def test_matrix_pushes_from_the_workers_to_one_repo(matrix_run, matrix_targets, monkeypatch):
+    from aotbuild.hub import variant_id
+    from aotbuild.manifest import environment
+
+    shared, _ = matrix_run
+    with FakeHub(token=TOKEN) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)  # the workers get it from the driver
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        result = CliRunner().invoke(main, ["build", "--ray", "--artifacts", str(shared), "--push", "team/matrix",
+                                           "--target", str(matrix_targets["ray-a"]),
+                                           "--target", str(matrix_targets["ray-b"])])
+        print(result.stdout)
+        assert result.exit_code == 0, result.output
+        rows = _rows(result.stdout)
+        commits = {rows[name][-1] for name in ("ray-a", "ray-b")}
+        assert rows["ray-a"][3] == rows["ray-b"][3] == "fresh"  # built by the run above, pushed now
+        assert len(commits) == 2 and "-" not in commits
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=hub.url, token=TOKEN)
+        index = json.loads(Path(api.hf_hub_download("team/matrix", "index.json")).read_text())
+        here = variant_id(environment("cpu"))
+        assert [v["path"] for v in index["variants"]] == [f"ray-a/{here}", f"ray-b/{here}"]
+        assert commits <= {commit["oid"][:12] for commit in hub.commits("team/matrix")}
+
+
+# --- Ray Serve -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def http_port(ray_cluster) -> int:
+    """Serve's HTTP port for the session's Ray (one per cluster), started here."""
+    from ray import serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+@pytest.fixture(scope="module")
+def served(built, http_port):
+    """The tiny SDXL artifact on one replica at /test."""
+    from ray import serve
+
+    from aotbuild.serve import app, deploy
+
+    start = time.perf_counter()
+    deploy(app(str(built.folder), cpus=0.5), "test", "/test")
+    LATENCIES["deploy to ready, 1 replica"] = [time.perf_counter() - start]
+    yield f"http://127.0.0.1:{http_port}/test"
+    serve.delete("test")
+
+
+def _post(url: str, body: dict, kind: str) -> tuple[int, dict, bytes]:
+    start = time.perf_counter()
+    answer = request(url, body)
+    LATENCIES.setdefault(kind, []).append(time.perf_counter() - start)
+    return answer
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, args", [
+    ({"prompt": "a red fox in the snow", "steps": 2, "seed": 3, "images": 1}, ["--batch", "1"]),
+    ({"prompt": "a lighthouse", "negative_prompt": "blurry", "steps": 3, "seed": 7, "images": 1, "height": 64,
+      "width": 96, "guidance_scale": 1.0}, ["--negative-prompt", "blurry", "--batch", "1", "--height", "64",
+                                            "--width", "96", "--guidance-scale", "1"]),
+])
+def test_served_image_equals_aotbuild_run(served, built, tmp_path, body, args):
+    status, headers, png = _post(served, body, f"{body['steps']}-step image")
+    assert status == 200, png[:500]
+    assert headers["content-type"] == "image/png"
+    out = tmp_path / "run.png"
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", body["prompt"], "--steps",
+                                       str(body["steps"]), "--seed", str(body["seed"]), "--output", str(out), *args])
+    assert result.exit_code == 0, result.output
+    expected = _pixels(out.read_bytes())
+    served_pixels = _pixels(png)
+    assert served_pixels.shape == expected.shape == (body.get("height", 64), body.get("width", 64), 3)
+    assert np.abs(served_pixels - expected).max() == 0  # the same compiled code, seeds and PNG encoder
+    assert served_pixels.std() > 1  # an image, not a blank
+
+
+@pytest.mark.slow
+def test_bad_requests_get_4xx_and_the_replica_keeps_serving(served):
+    status, _, body = request(served + "/health")
+    health = json.loads(body)
+    assert (status, health["status"], health["target"], health["backend"]) == (200, "ready", "cpu-tiny-sdxl", "aot")
+    replica = health["replica"]
+    cases = [
+        ({"prompt": "a fox", "num_inference_steps": 2}, 400, "unknown field 'num_inference_steps'"),
+        ({"prompt": "a fox", "steps": 500}, 400, "field 'steps' is 500; this server takes 1 to 50"),
+        ({"prompt": "a fox", "steps": 1, "height": 256, "width": 256}, 422,
+         "unet: no compiled variant for this call (StableDiffusionXLPipeline(height=256, width=256"),
+    ]
+    for body, status, words in cases:
+        code, _, answer = _post(served, body, "refused")
+        assert code == status, answer
+        error = json.loads(answer)
+        assert words in error["error"] and error["replica"] == replica
+    raw = urllib_post_raw(served, b"{not json")
+    assert raw[0] == 400 and "the body is not JSON" in json.loads(raw[1])["error"]
+    code, headers, answer = _post(served, {"prompt": "a fox", "steps": 1, "images": 2, "output": "json"},
+                                  "1-step, 2 images")
+    assert code == 200 and headers["x-aotbuild-replica"] == replica
+    assert len(json.loads(answer)["images"]) == 2
+
+
+def urllib_post_raw(url: str, data: bytes) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.slow
+def test_autoscaling_from_one_replica_to_two_serves_from_both(served, built):
+    """--autoscale 1:2: under a queue of requests Serve starts a second replica, and both answer
+    with the same image for the same request."""
+    import threading
+
+    from aotbuild.serve import app, deploy
+
+    start = time.perf_counter()
+    deploy(app(str(built.folder), autoscale=(1, 2), cpus=0.5), "test", "/test")
+    body = {"prompt": "a red fox in the snow", "steps": 1, "seed": 5}
+    assert _post(served, body, "1-step image")[0] == 200
+    answers: list[tuple[int, dict, bytes]] = []
+    stop = threading.Event()
+
+    def client() -> None:  # four clients keep requests queued: more than one replica's worth
+        while not stop.is_set() and len({h.get("x-aotbuild-replica") for _, h, _ in answers}) < 2:
+            answers.append(_post(served, {**body, "steps": 4}, "4-step image, 4 clients"))
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(timeout=180)
+    stop.set()
+    LATENCIES["1 -> 2 replicas under load, to the second replica's first answer"] = [time.perf_counter() - start]
+    assert all(code == 200 for code, _, _ in answers)
+    replicas = {h["x-aotbuild-replica"] for _, h, _ in answers}
+    assert len(replicas) == 2, replicas
+    reference = _pixels(answers[0][2])  # every answer is the same request
+    assert all(np.array_equal(_pixels(png), reference) for _, _, png in answers)
+
+
+@pytest.mark.slow
+def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
+    """`aotbuild serve` joins the session's Ray, prints its URL, serves, and on Ctrl-C removes its
+    application and exits 0."""
+    process = subprocess.Popen([sys.executable, "-m", "aotbuild.cli", "serve", "--artifact", str(built.folder),
+                                "--address", ray_cluster, "--port", str(http_port), "--cpus", "0.5"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + 300
+        while url is None and time.monotonic() < deadline and process.poll() is None:
+            line = process.stdout.readline()
+            lines.append(line)
+            if line.startswith("serving "):
+                url = line.split(" at ")[1].split()[0]
+        assert url == f"http://127.0.0.1:{http_port}/", "".join(lines)
+        status, _, body = request(url + "health")
+        assert status == 200 and json.loads(body)["status"] == "ready"
+        status, headers, png = _post(url, {"prompt": "a red fox", "steps": 1}, "1-step image")
+        assert status == 200 and headers["content-type"] == "image/png"
+        assert _pixels(png).shape == (64, 64, 3)
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, rest
+        assert "stopped" in rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+    from ray import serve
+
+    assert "aotbuild" not in serve.status().applications  # removed; the session's Serve goes on
+
+
+@pytest.mark.slow
+def test_replica_cold_start_bench_writes_its_figures(built, http_port):
+    """The serve bench, aot against eager (compile, minutes here, is left to `aotbuild bench --serve`)."""
+    from aotbuild.serve import SERVE_BENCH_NAME, bench_replicas, format_replica_table
+
+    document = bench_replicas(str(TARGETS / "cpu-tiny-sdxl.toml"), built.artifacts, cases=("aot", "eager"),
+                              repeats=1, steps=2, steady=1, port=http_port)
+    assert json.loads((built.folder / SERVE_BENCH_NAME).read_text()) == document
+    for case in ("aot", "eager"):
+        run = document["runs"][case][0]
+        assert 0 < run["load_s"] < run["ready_s"] < run["first_response_s"], (case, run)
+        assert run["steady_response_s"] > 0
+    table = format_replica_table(document)
+    print("\n" + table)
+    assert table.splitlines()[-1].startswith("first response / aot")
+    from ray import serve
+
+    assert not any(name.startswith("bench-") for name in serve.status().applications)  # each replica removed
+
+
+def teardown_module(module):
+    if LATENCIES:
+        print("\nrequest latencies (s): " + "; ".join(f"{kind}: " + ", ".join(f"{s:.2f}" for s in values)
+                                                     for kind, values in LATENCIES.items()))
