@@ -256,7 +256,11 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
         serve.start(http_options={"host": host, "port": port})
         try:
             deploy(app(artifact, **options), APP_NAME, "/")
-            url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+            listening = _serve_port(port)
+            if listening != port:
+                echo(f"note: Serve on this cluster already listens on port {listening}; --port applies to the "
+                     f"first Serve started on a cluster")
+            url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{listening}/"
             echo(f"serving {artifact} at {url} (POST a JSON request; GET {url}health); Ctrl-C stops")
             signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
             while True:
@@ -268,6 +272,16 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
             if started_here:
                 serve.shutdown()
     echo("stopped")
+
+
+def _serve_port(asked: int) -> int:
+    """The port Serve listens on: the first `serve.start` on a cluster fixes it for all."""
+    try:
+        from ray.serve.context import _get_global_client  # Serve has no public reader of its HTTP options
+
+        return int(_get_global_client().http_config.port)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return asked
 
 
 def request(url: str, body: dict[str, Any] | None = None, timeout: float = 600) -> tuple[int, dict[str, str], bytes]:

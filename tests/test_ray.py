@@ -112,6 +112,27 @@ def matrix_targets(tmp_path_factory) -> dict[str, Path]:
     return files
 
 
+def _rows(stdout: str) -> dict[str, list[str]]:
+    """The summary table's rows by target."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("target "))
+    return {line.split()[0]: line.split() for line in lines[start + 1:] if " of " not in line and line[:1] != " "}
+
+
+def test_several_targets_build_here_one_after_another_each_failing_alone(matrix_targets, tmp_path):
+    broken = str(matrix_targets["ray-broken"])
+    result = CliRunner().invoke(main, ["build", "--artifacts", str(tmp_path), "--target", broken,
+                                       "--target", "h100-sdxl"])
+    assert result.exit_code == 2, result.output
+    rows = _rows(result.stdout)
+    assert rows["ray-broken"][1:3] == [socket.gethostname(), "failed"]
+    assert "ray-broken: ValueError: NoSuchBlock2D does not exist." in result.stdout
+    assert "h100-sdxl: target h100-sdxl is for cuda, and this machine has no CUDA device" in result.stdout
+    assert "0 of 2 targets ok, 2 failed:" in result.stdout
+    twice = CliRunner().invoke(main, ["build", "--target", broken, "--target", broken])
+    assert twice.exit_code == 1 and "target 'ray-broken' is named twice" in twice.output
+
+
 @pytest.fixture(scope="module")
 def matrix_run(ray_cluster, matrix_targets, tmp_path_factory):
     """`aotbuild build --ray` of the two targets, the broken one and an H100 target (no such GPU
@@ -124,13 +145,6 @@ def matrix_run(ray_cluster, matrix_targets, tmp_path_factory):
     result = CliRunner().invoke(main, args)
     print(f"\nmatrix run ({time.perf_counter() - start:.1f} s):\n{result.stdout}")
     return shared, result
-
-
-def _rows(stdout: str) -> dict[str, list[str]]:
-    """The summary table's rows by target."""
-    lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("target "))
-    return {line.split()[0]: line.split() for line in lines[start + 1:] if " of " not in line and line[:1] != " "}
 
 
 @pytest.mark.slow
