@@ -263,6 +263,33 @@ def test_served_image_equals_aotbuild_run(served, built, tmp_path, body, args):
 
 
 @pytest.mark.slow
+def test_a_replica_starts_from_a_hub_artifact(served, built, http_port, monkeypatch):
+    """hf://org/name@rev: the replica downloads the variant fitting its machine (the driver's Hub
+    settings passed on) and serves the image the local folder serves."""
+    from ray import serve
+
+    from aotbuild.hub import push
+    from aotbuild.serve import app, deploy
+
+    body = {"prompt": "a red fox in the snow", "steps": 2, "seed": 11}
+    with FakeHub(token=TOKEN) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        commit = push(built.folder, "team/tiny-sdxl-aot").commit
+        start = time.perf_counter()
+        deploy(app(f"hf://team/tiny-sdxl-aot@{commit}", cpus=0.5), "hub", "/hub")
+        url = f"http://127.0.0.1:{http_port}/hub"
+        status, _, png = _post(url, body, "2-step image")
+        LATENCIES["hf:// deploy to first image (download, load, generate)"] = [time.perf_counter() - start]
+        health = json.loads(request(url + "/health")[2])
+        serve.delete("hub")
+    assert status == 200, png[:300]
+    assert health["artifact"] == f"hf://team/tiny-sdxl-aot@{commit}"
+    local = _post(served, body, "2-step image")[2]
+    assert np.array_equal(_pixels(png), _pixels(local))
+
+
+@pytest.mark.slow
 def test_bad_requests_get_4xx_and_the_replica_keeps_serving(served):
     status, _, body = request(served + "/health")
     health = json.loads(body)
