@@ -62,7 +62,8 @@ def targets(targets_dir: Path | None) -> None:
               help=ARTIFACTS_HELP + "; with --ray, storage every node shares (or give --push)")
 @click.option("--ray", "use_ray", is_flag=True, help="build each target as a Ray task: CPU targets on CPUs, CUDA "
                                                      "targets on one GPU of their gpu.name kind")
-@click.option("--address", help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+@click.option("--address", help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else one `ray start` "
+                                "began here, else a new local Ray)")
 @click.option("--cpus", type=click.FloatRange(0, min_open=True), default=1, show_default=True,
               help="with --ray: CPUs each build reserves")
 @click.option("--push", "push_repo", metavar="ORG/NAME[@BRANCH]",
@@ -322,7 +323,8 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
                                                      "by ongoing requests")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (0.0.0.0: every one)")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--address", help="the Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+@click.option("--address", help="the Ray cluster to join (default: RAY_ADDRESS, else one `ray start` began here, "
+                                "else a new local Ray)")
 @click.option("--cpus", type=click.FloatRange(0), default=1, show_default=True, help="CPUs each replica reserves")
 @click.option("--gpus", type=click.FloatRange(0), help="GPUs each replica reserves (default: 1 for a CUDA "
                                                         "artifact folder, else 0)")
