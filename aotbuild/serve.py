@@ -133,8 +133,12 @@ class ImageServer:
         self.load_s = time.perf_counter() - start - self.random_init_s
         self.defaults = call_defaults(recorded)
         self.limits = {"max_steps": max_steps, "max_images": max_images}
+        import torch
+
+        # The thread count is part of the result: reductions split by threads round differently.
         self.about = {"artifact": artifact, "target": recorded["name"], "backend": backend,
-                      "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits}
+                      "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits,
+                      "threads": torch.get_num_threads()}
         self._lock = asyncio.Lock()  # a pipeline runs one call at a time; /health does not wait for it
 
     def check_health(self) -> None:
@@ -298,11 +302,11 @@ def request(url: str, body: dict[str, Any] | None = None, timeout: float = 600) 
 
 def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, ...] = ("aot", "eager", "compile"),
                    repeats: int = 1, steps: int = 4, steady: int = 2, port: int = 8000, address: str | None = None,
-                   progress: Any = None) -> dict[str, Any]:
+                   cpus: float = 1, progress: Any = None) -> dict[str, Any]:
     """Replica cold start per backend, side by side: each repetition deploys each case afresh (a
     new replica process, an empty inductor cache, the artifact out of the page cache), times
-    deploy to ready and to the first image, then `steady` more requests; writes serve-bench.json
-    into the artifact folder.
+    deploy to ready and to the first image, then `steady` more requests; each replica reserves
+    `cpus`. Writes serve-bench.json into the artifact folder.
 
     Raises:
         AotbuildError: an unknown case, no artifact, or a request that failed.
@@ -335,7 +339,7 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
                     drop_page_cache([p for p in folder.rglob("*") if p.is_file()])
                 caches = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=work)}
                 application = app(str(folder) if case == "aot" else None, target=target_path, backend=case,
-                                  artifacts_dir=artifacts_dir, env=caches)
+                                  artifacts_dir=artifacts_dir, cpus=cpus, env=caches)
                 name, url = f"bench-{case}", f"http://127.0.0.1:{port}/bench-{case}"
                 start = time.perf_counter()
                 try:
