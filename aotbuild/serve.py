@@ -256,6 +256,12 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
 
     from .cluster import ray_session
 
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C and SIGTERM stop the server, also where SIGINT came ignored (a background job's).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     with ray_session(address) as started_here:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -266,7 +272,6 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
                      f"first Serve started on a cluster")
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{listening}/"
             echo(f"serving {artifact} at {url} (POST a JSON request; GET {url}health); Ctrl-C stops")
-            signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
             while True:
                 signal.pause()
         except KeyboardInterrupt:
