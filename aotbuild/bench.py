@@ -95,21 +95,23 @@ def ratios_to_aot(runs: dict[str, list[dict[str, Any]]], figures: tuple[str, ...
     return out
 
 
-def report(runs: dict[str, list[dict[str, Any]]], environment: dict[str, Any], meta: dict[str, Any]) -> dict:
-    """The bench.json document from the raw per-repetition figures."""
-    summary = {case: {f: summarize([r.get(f) for r in case_runs]) for f in FIGURES} for case, case_runs in runs.items()}
-    document = {"meta": meta, "environment": environment, "figures": FIGURES, "runs": runs, "summary": summary}
+def report(runs: dict[str, list[dict[str, Any]]], environment: dict[str, Any], meta: dict[str, Any],
+           figures: dict[str, str] = FIGURES) -> dict:
+    """The bench.json document from the raw per-repetition `figures` (name -> meaning)."""
+    summary = {case: {f: summarize([r.get(f) for r in case_runs]) for f in figures} for case, case_runs in runs.items()}
+    document = {"meta": meta, "environment": environment, "figures": figures, "runs": runs, "summary": summary}
     if "aot" in runs:
-        document["ratio_to_aot"] = ratios_to_aot(runs)
+        document["ratio_to_aot"] = ratios_to_aot(runs, tuple(figures))
     return document
 
 
-def format_table(document: dict[str, Any]) -> str:
-    """A fixed-width table: median [min-max] per case and figure, then ratios to aot."""
+def format_table(document: dict[str, Any], ratios: tuple[str, ...] = (
+        "first_step_s", "first_image_s", "steady_step_s", "steady_image_s", "peak_rss_mib")) -> str:
+    """A fixed-width table: median [min-max] per case and figure, then the `ratios` figures' ratios to aot."""
     cases = list(document["summary"])
     width = 26
     lines = [f"{'figure':<26}" + "".join(f"{c:>{width}}" for c in cases)]
-    for figure in FIGURES:
+    for figure in document["figures"]:
         row = f"{figure:<26}"
         for case in cases:
             s = document["summary"][case][figure]
@@ -118,7 +120,7 @@ def format_table(document: dict[str, Any]) -> str:
         lines.append(row)
     if "ratio_to_aot" in document:
         lines.append("ratio to aot (median of per-repetition ratios)")
-        for figure in ("first_step_s", "first_image_s", "steady_step_s", "steady_image_s", "peak_rss_mib"):
+        for figure in ratios:
             row = f"  {figure:<24}"
             for case in cases:
                 r = document["ratio_to_aot"][case][figure]

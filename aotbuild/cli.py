@@ -281,13 +281,13 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) 
                               "aot-no-cuda-graphs (CUDA targets: graphs forced on / off), aot-lora (LoRA switches), "
                               "aot-tiling (the first bucket decoded whole and by tiles); with --serve: backends "
                               "(default: aot,eager,compile)")
-@click.option("--serve", "replicas", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
+@click.option("--serve", "serve_bench", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
                                                         "image, per backend; writes serve-bench.json")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
-def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, replicas: bool, port: int,
+def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, serve_bench: bool, port: int,
           plot_path: Path | None, artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json."""
     from .bench import BENCH_NAME, CASES, format_table, plot, run_bench
@@ -296,15 +296,15 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     target = load_target(target_name)
     progress = lambda msg: click.echo(f"[bench] {msg}", err=True)  # noqa: E731
     chosen = tuple(c.strip() for c in cases.split(",") if c.strip()) if cases else None
-    if replicas:
+    if serve_bench:
         from .backends import BACKENDS
-        from .serve import SERVE_BENCH_NAME, bench_replicas, format_replica_table
+        from .serve import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
 
         if plot_path:
             raise AotbuildError("--plot draws `aotbuild bench`, not --serve")
         document = bench_replicas(target_name, artifacts, cases=chosen or BACKENDS, repeats=repeats, steps=steps,
                                   steady=steady, port=port, progress=progress)
-        click.echo(format_replica_table(document))
+        click.echo(format_table(document, SERVE_BENCH_RATIOS))
         click.echo(f"wrote {artifacts / target.name / SERVE_BENCH_NAME}")
         return
     document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady, cases=chosen or CASES,

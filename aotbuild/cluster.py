@@ -34,7 +34,7 @@ def ray_session(address: str | None) -> Iterator[bool]:
         yield False
         return
     try:
-        ray.init(address=address, include_dashboard=False if address is None else None)
+        ray.init(address=address, include_dashboard=False)  # a cluster joined keeps its own dashboard
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = address or os.environ.get("RAY_ADDRESS") or "a local Ray"
         raise AotbuildError(f"cannot start or join {where}: {str(exc).strip().splitlines()[0]}",

@@ -51,6 +51,7 @@ SERVE_BENCH_FIGURES = {
     "load_s": "the replica's pipeline load",
     "random_init_s": "creating random weights (random: sources), kept out of the timed figures",
 }
+SERVE_BENCH_RATIOS = ("ready_s", "first_response_s", "steady_response_s")  # the table's ratios to aot
 
 
 class RequestError(AotbuildError):
@@ -319,7 +320,7 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
     from ray import serve
 
     from .backends import BACKENDS, built_artifact, call_defaults
-    from .bench import drop_page_cache, summarize
+    from .bench import drop_page_cache, report
     from .cluster import ray_session
     from .manifest import environment
     from .targets import load_target
@@ -359,12 +360,9 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
                 runs[case].append({"ready_s": ready - random_init, "first_response_s": first - random_init,
                                    "steady_response_s": statistics.median(responses[1:]) if steady else None,
                                    "load_s": health["load_s"], "random_init_s": random_init})
-    summary = {case: {f: summarize([r[f] for r in case_runs]) for f in SERVE_BENCH_FIGURES}
-               for case, case_runs in runs.items()}
-    document = {"meta": {"target": target.name, "steps": steps, "repeats": repeats, "call": call,
-                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                "environment": environment(target.device), "figures": SERVE_BENCH_FIGURES, "runs": runs,
-                "summary": summary}
+    meta = {"target": target.name, "steps": steps, "repeats": repeats, "call": call,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    document = report(runs, environment(target.device), meta, SERVE_BENCH_FIGURES)
     (folder / SERVE_BENCH_NAME).write_text(json.dumps(document, indent=2) + "\n")
     return document
 
@@ -375,20 +373,3 @@ def _timed_post(url: str, call: dict[str, Any]) -> float:
     if status != 200:
         raise AotbuildError(f"serve bench: {url} answered {status}: {body[:300].decode(errors='replace')}")
     return time.perf_counter() - start
-
-
-def format_replica_table(document: dict[str, Any]) -> str:
-    """Median [min-max] of each figure per case, and each case's ratio to aot."""
-    cases = list(document["summary"])
-    lines = [f"{'figure':<20}" + "".join(f"{c:>24}" for c in cases)]
-    for figure in SERVE_BENCH_FIGURES:
-        cells = []
-        for case in cases:
-            s = document["summary"][case][figure]
-            cells.append("-" if s["median"] is None else f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]")
-        lines.append(f"{figure:<20}" + "".join(f"{c:>24}" for c in cells))
-    if "aot" in cases:
-        aot = document["summary"]["aot"]["first_response_s"]["median"]
-        lines.append("first response / aot" + "".join(
-            f"{document['summary'][c]['first_response_s']['median'] / aot:>23.2f}x" for c in cases))
-    return "\n".join(lines)

@@ -417,7 +417,8 @@ def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
 @pytest.mark.slow
 def test_replica_cold_start_bench_writes_its_figures(built, http_port):
     """The serve bench, aot against eager (compile, minutes here, is left to `aotbuild bench --serve`)."""
-    from aotbuild.serve import SERVE_BENCH_NAME, bench_replicas, format_replica_table
+    from aotbuild.bench import format_table
+    from aotbuild.serve import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
 
     document = bench_replicas(str(TARGETS / "cpu-tiny-sdxl.toml"), built.artifacts, cases=("aot", "eager"),
                               repeats=1, steps=2, steady=1, port=http_port, cpus=0.5)
@@ -426,9 +427,11 @@ def test_replica_cold_start_bench_writes_its_figures(built, http_port):
         run = document["runs"][case][0]
         assert 0 < run["load_s"] < run["ready_s"] < run["first_response_s"], (case, run)
         assert run["steady_response_s"] > 0
-    table = format_replica_table(document)
+    table = format_table(document, SERVE_BENCH_RATIOS)
     print("\n" + table)
-    assert table.splitlines()[-1].startswith("first response / aot")
+    assert document["ratio_to_aot"]["aot"]["first_response_s"] == 1.0
+    assert table.splitlines()[-3:][1].split() == ["first_response_s", "1.00x",
+                                                  f"{document['ratio_to_aot']['eager']['first_response_s']:.2f}x"]
     from ray import serve
 
     assert not any(name.startswith("bench-") for name in serve.status().applications)  # each replica removed
