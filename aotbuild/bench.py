@@ -38,7 +38,10 @@ LORA_SWITCHES = 5
 # Opt-in: the first bucket's latents decoded whole (its bucket model) and by tiles (the tile model,
 # diffusers' tiling and blending), steady, in the same process.
 TILING_CASE = "aot-tiling"
-EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE)
+# Opt-in: the target built with [compile] mode = "regional" (as `<target>-regional`). With it in the
+# run, the whole-model and the regional artifact are both built afresh first, one after the other.
+REGIONAL_CASE = "aot-regional"
+EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE, REGIONAL_CASE)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -54,6 +57,9 @@ FIGURES = {
     "peak_rss_mib": "peak RSS",
     "peak_cuda_mib": "peak CUDA memory",
     "artifact_mib": "artifact bytes",
+    "package_mib": "compiled code bytes: the .pt2 packages (aot cases)",
+    "build_s": "aotbuild build --force in a fresh process, empty inductor cache, once per bench run (aot and "
+               "aot-regional, when aot-regional is in the run)",
     "lora_switch_s": "LoRA A -> B with diffusers' hotswap=True: read B (page cache dropped), merge, bind (aot-lora)",
     "lora_load_switch_s": "LoRA A -> B as a new adapter: load it, activate it, delete A, merge, bind (aot-lora)",
     "lora_floor_s": "reading the LoRA file cold plus one copy of the weights it touches (aot-lora)",
@@ -105,8 +111,11 @@ def report(runs: dict[str, list[dict[str, Any]]], environment: dict[str, Any], m
     return document
 
 
-def format_table(document: dict[str, Any], ratios: tuple[str, ...] = (
-        "first_step_s", "first_image_s", "steady_step_s", "steady_image_s", "peak_rss_mib")) -> str:
+DEFAULT_RATIOS = ("first_step_s", "first_image_s", "steady_step_s", "steady_image_s", "peak_rss_mib")
+REGIONAL_RATIOS = ("build_s", "package_mib", "artifact_mib", "first_image_s", "steady_step_s", "steady_image_s")
+
+
+def format_table(document: dict[str, Any], ratios: tuple[str, ...] = DEFAULT_RATIOS) -> str:
     """A fixed-width table: median [min-max] per case and figure, then the `ratios` figures' ratios to aot."""
     cases = list(document["summary"])
     width = 26
@@ -159,6 +168,13 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
                             f"than a tile ({_tile_pixels(target)} px); {target.name} lacks one")
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
+    builds: dict[str, float] = {}
+    if REGIONAL_CASE in cases:
+        regional_target(target)  # refused here, before any build, when the target cannot be regional
+        for case in ("aot", REGIONAL_CASE):
+            if progress:
+                progress(f"building {case}: aotbuild build --force, fresh process, empty inductor cache")
+            builds[case] = _run_build(case, target_path, artifacts_dir)
     folder = built_artifact(target, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:
@@ -167,7 +183,8 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
             for case in cases:
                 if progress:
                     progress(f"repetition {rep + 1}/{repeats}: {case}")
-                runs[case].append(_run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work)))
+                figures = _run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work))
+                runs[case].append({**figures, "build_s": builds.get(case)})
     meta = {"target": target.name, "steps": steps, "steady_runs": steady, "repeats": repeats,
             "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     document = report(runs, environment(target.device), meta)
@@ -201,12 +218,49 @@ def plot(document: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def regional_target(target: Any) -> Any:
+    """The target as `[compile] mode = "regional"`, named `<name>-regional` (validated as a target file is).
+
+    Raises:
+        AotbuildError: the target is regional already, or cannot be (a TargetError, say why).
+    """
+    from .targets import Target
+
+    if target.compile_mode == "regional":
+        raise AotbuildError(f"case {REGIONAL_CASE} compares a whole-model target with its regional build; "
+                            f"{target.name} is regional already")
+    return Target.from_dict({**target.to_dict(), "name": f"{target.name}-regional", "compile_mode": "regional"},
+                            base_dir=target.base_dir)
+
+
+def _case_target(case: str, target_path: str) -> Any:
+    from .targets import load_target
+
+    target = load_target(target_path)
+    return regional_target(target) if case == REGIONAL_CASE else target
+
+
+def _run_build(case: str, target_path: str, artifacts_dir: Path) -> float:
+    """Seconds `aotbuild build --force` of the case's target takes in a fresh process."""
+    with tempfile.TemporaryDirectory(prefix="aotbuild-bench-build-") as cache_dir:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "aotbuild.bench", "--build", "--case", case, "--target", str(target_path),
+               "--artifacts", str(artifacts_dir)]
+        start = time.perf_counter()
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        elapsed = time.perf_counter() - start
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise BenchError(f"building case {case} failed (exit {result.returncode}):\n{tail}")
+    return elapsed
+
+
 def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, steady: int,
                 mega_cache: Path, work: Path) -> dict[str, Any]:
     out = work / f"{case}-{time.monotonic_ns()}.json"
     # Each process gets an empty inductor cache: `compile` pays its real cold cost, and
     # `compile-cached` starts from the mega-cache alone. Artifacts are read from a cold page cache.
-    artifact = artifacts_dir / Path(target_path).stem
+    artifact = artifacts_dir / _case_target(case, target_path).name
     if case.startswith("aot"):
         drop_page_cache([p for p in artifact.rglob("*") if p.is_file()])
     cache_dir = tempfile.mkdtemp(prefix="inductor-", dir=work)
@@ -273,12 +327,11 @@ def _worker(args: argparse.Namespace) -> None:
 
     from .backends import generate, prepare
     from .sources import random_init_seconds
-    from .targets import load_target
 
     def since_spawn() -> float:
         return time.time() - args.spawn_time - random_init_seconds()
 
-    target = load_target(args.target)
+    target = _case_target(args.case, args.target)
     bucket = target.shapes[0]
     if args.case == "compile-cached":
         torch.compiler.load_cache_artifacts(Path(args.mega_cache).read_bytes())
@@ -324,7 +377,7 @@ def _worker(args: argparse.Namespace) -> None:
     figures["steady_image_s"] = statistics.median(g.total_s for g in steady) if steady else None
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-    figures["artifact_mib"] = figures["weights_read_s"] = figures["load_over_floor"] = None
+    figures["artifact_mib"] = figures["package_mib"] = figures["weights_read_s"] = figures["load_over_floor"] = None
     figures.update(dict.fromkeys(f for f in FIGURES if f.startswith("lora_") or "tile" in f))
     if args.case == LORA_CASE:
         figures.update(_lora_switches(pipe, Path(args.out).parent / f"loras-{os.getpid()}"))
@@ -332,6 +385,7 @@ def _worker(args: argparse.Namespace) -> None:
         figures.update(_tiled_against_untiled(pipe, bucket, args.steady))
     if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
+        figures["package_mib"] = sum(p.stat().st_size for p in artifact.glob("*.pt2")) / 2**20
         figures["weights_read_s"] = _cold_read_s(sorted(artifact.glob("*.safetensors")))
         figures["load_over_floor"] = load_s / figures["weights_read_s"]
     Path(args.out).write_text(json.dumps(figures))
@@ -461,12 +515,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--case", choices=CASES + EXTRA_CASES, required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--artifacts", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--steady", type=int, required=True)
-    parser.add_argument("--mega-cache", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--spawn-time", type=float, required=True)
-    _worker(parser.parse_args(argv))
+    parser.add_argument("--build", action="store_true", help="build the case's artifact (--force) and exit")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--steady", type=int)
+    parser.add_argument("--mega-cache")
+    parser.add_argument("--out")
+    parser.add_argument("--spawn-time", type=float)
+    args = parser.parse_args(argv)
+    if args.build:
+        from .builder import build
+
+        build(_case_target(args.case, args.target), Path(args.artifacts), force=True)
+        return
+    _worker(args)
 
 
 if __name__ == "__main__":

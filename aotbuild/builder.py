@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,10 +29,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import capture, export, optimize, shapes, sources
+from . import capture, export, optimize, regions, shapes, sources
 from .errors import AotbuildError, BuildError, NumericsError
 from .manifest import (
     DTYPES,
+    REGIONAL_SCHEMA,
     SCHEMA_VERSION,
     aotbuild_version,
     check_compatible,
@@ -43,6 +45,7 @@ from .manifest import (
 from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec, vae_factor
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .runtime.cache import check_artifact_files, mark_verified
+from .runtime.regional import component_variants
 from .targets import ShapeBucket, Target
 
 # Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
@@ -193,8 +196,18 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     with stages("load", f"{target.pipeline} from {target.source}"):
         pipe = _load_pipeline(target, spec, torch.device("cpu"))  # _capture_all places the models
     points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None))
+    regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
+    instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}
     with stages("capture", "eager float32 reference"):
-        reference = _capture_all(pipe, spec, specs, target, points, device, stages.progress)
+        reference, block_calls = _capture_all(pipe, spec, specs, target, points, device, stages.progress, instances)
+    found = regions.group(instances, block_calls) if instances else []
+    for region in found:
+        for point, call in regions.region_calls(region, block_calls).items():
+            reference[point][region.name] = call
+    if found:
+        stages.progress("regions", f"{regional.name}: {len(instances)} blocks in {len(found)} regions: "
+                        + ", ".join(f"{r.name} x{len(r.instances)}" for r in found))
+    del block_calls
     export_points = {plan.points[0] for component in plans.values() for plan in component}
     examples = {name: reference[name] for name in export_points}
     # The references wait on the host (validate moves each input back): only the export points'
@@ -202,12 +215,16 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     reference = {point: {c: call.to("cpu") for c, call in calls.items()} for point, calls in reference.items()}
     dims = {s.name: {plan.name: _variant_dims(s.name, plan, reference, points) for plan in plans[s.name]}
             for s in specs}
+    dims |= {r.name: {plan.name: _variant_dims(r.name, plan, reference, points) for plan in plans[regional.name]}
+             for r in found}
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
-            optimized = _capture_all(pipe, spec, specs, target, {n: points[n] for n in examples}, device,
-                                     stages.progress)
+            optimized, block_calls = _capture_all(pipe, spec, specs, target, {n: points[n] for n in examples},
+                                                  device, stages.progress, instances)
+            for name, record in block_calls.items():  # the optimized blocks' calls, by region
+                optimized[name] |= {r.name: record.calls[record.keys[r.instances[0]]] for r in found}
         examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
                         target.optimize, (call.args, call.kwargs)), call.output) for c, call in
                         optimized[name].items()}
@@ -226,16 +243,20 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     components = {}
     modes = _guidance_modes(target, spec)
     for s in specs:
-        components[s.name] = _build_component(s, modules[s.name], target, plans[s.name], examples, dims[s.name],
-                                              modes, records["dtype"][s.name], inductor_options, out, stages)
-    del modules, examples  # validate binds the packaged weights: the eager copies go first
+        if s is regional:
+            components[s.name] = _build_regional(s, modules[s.name], found, instances, target, plans[s.name], examples,
+                                                 dims, modes, records["dtype"][s.name], inductor_options, out, stages)
+        else:
+            components[s.name] = _build_component(s, modules[s.name], target, plans[s.name], examples, dims[s.name],
+                                                  modes, records["dtype"][s.name], inductor_options, out, stages)
+    del modules, examples, instances  # validate binds the packaged weights: the eager copies go first
     _free_device_memory(device)
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
 
     source = _source_record(target)
     manifest = {
-        "schema": SCHEMA_VERSION,
+        "schema": REGIONAL_SCHEMA if regional or _permuted_inputs(components) else SCHEMA_VERSION,
         "aotbuild": aotbuild_version(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "target": {**target.to_dict(), "source": source["id"]},
@@ -261,6 +282,12 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         manifest["peak_gpu_mib"] = stages.peak_gpu_mib
     write_manifest(out, manifest)
     return manifest
+
+
+def _permuted_inputs(components: dict[str, Any]) -> bool:
+    """Whether an input is laid out as a permutation (older runtimes would make it contiguous)."""
+    entries = [*components.values(), *(r for c in components.values() for r in c.get("regions", ()))]
+    return any(isinstance(leaf.get("layout"), list) for e in entries for v in e["variants"] for leaf in v["inputs"])
 
 
 def _environment(target: Target, inductor_options: dict[str, Any]) -> dict[str, Any]:
@@ -404,9 +431,11 @@ def _tile_ranges(spec: ComponentSpec, vae: Any, stride: int, largest: int) -> di
 
 
 def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
-                 device: torch.device, progress: Progress) -> dict[str, dict[str, capture.CapturedCall]]:
-    """{point name: {component: CapturedCall}}: one pipeline call per distinct point for the
-    components the pipeline calls; random inputs for the others (the encoder) and for tiles.
+                 device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module],
+                 ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls]]:
+    """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}): one pipeline
+    call per distinct point for the components the pipeline calls; random inputs for the others
+    (the encoder) and for tiles.
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
     batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
@@ -429,7 +458,9 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
     for module in others:
         module.to(device)
     runs_done: dict[tuple, dict] = {}
+    block_runs: dict[tuple, regions.BlockCalls] = {}
     calls: dict[str, dict[str, capture.CapturedCall]] = {}
+    block_calls: dict[str, regions.BlockCalls] = {}
     for name, point in points.items():
         key = (point.batch, point.height, point.width, point.guided)
         calls[name] = {}
@@ -437,15 +468,18 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
-                runs_done[key] = capture.capture_inputs(
-                    pipe, recorded, batch=point.batch, height=point.height, width=point.width,
-                    guidance_scale=target.guidance_scale if point.guided else 1.0, prompt_embeds=embeds[key[0], key[3]],
-                    extras=extras)
+                with regions.recording(blocks) as block_runs[key]:
+                    runs_done[key] = capture.capture_inputs(
+                        pipe, recorded, batch=point.batch, height=point.height, width=point.width,
+                        guidance_scale=target.guidance_scale if point.guided else 1.0,
+                        prompt_embeds=embeds[key[0], key[3]], extras=extras)
             calls[name].update(runs_done[key])
+            if blocks:
+                block_calls[name] = block_runs[key]
         for s in specs:
             if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, point.height, point.width, device)
-    return calls
+    return calls, block_calls
 
 
 def _tensor_shapes(call: capture.CapturedCall) -> list[list[int]]:
@@ -486,6 +520,80 @@ def _variant_dims(component: str, plan: VariantPlan, reference: dict,
     return shapes.in_call_batches(dims), call_batch
 
 
+def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: list | None,
+                   call_batch: list[int] | None, guidance: list[str] | None) -> dict[str, Any]:
+    """The manifest entry of one variant: what it covers and its inputs' signature."""
+    entry: dict[str, Any] = {"name": plan.name}
+    if plan.kind == "bucket":
+        bucket = plan.bucket
+        entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width}
+        entry["inputs"] = leaf_signature((call.args, call.kwargs))
+        if leaf_dims is not None:
+            tensor_dims = iter(leaf_dims)
+            for leaf in entry["inputs"]:
+                if "shape" in leaf:
+                    leaf["dims"] = next(tensor_dims)
+    else:
+        entry["dynamic"] = dict(plan.ranges)
+        entry["inputs"] = _dynamic_signature(call, leaf_dims)
+    if call_batch is not None:
+        entry["call_batch"] = call_batch
+    if guidance is not None:
+        entry["guidance"] = guidance
+    if plan.kind == "tile":
+        entry["tile"] = True
+    return entry
+
+
+def _served_guidance(spec: ComponentSpec, target: Target, plan: VariantPlan, modes: tuple[bool, ...]) -> list | None:
+    """Which guidance a denoiser's variant serves (None: not a denoiser whose batch it changes)."""
+    if not (spec.denoiser and pipeline_spec(target.pipeline).cfg_batch):
+        return None
+    served = {False if p.endswith(":unguided") else modes[0] for p in plan.points}
+    return [g for g, on in (("guided", True), ("unguided", False)) if on in served]
+
+
+def _export(module: torch.nn.Module, name: str, plan: VariantPlan, call: capture.CapturedCall,
+            leaf_dims: list | None, call_batch: list[int] | None, target: Target, stages: _Stages,
+            tokens: Any = None) -> torch.export.ExportedProgram:
+    """torch.export of one variant: static, or dynamic over its dims (`tokens`: see
+    `shapes.export_dynamic_shapes`)."""
+    dynamic_shapes = None
+    if leaf_dims is not None:
+        ranges = {**(plan.ranges or {}), "batch": call_batch}
+        dynamic_shapes = shapes.export_dynamic_shapes(module, call.args, call.kwargs, leaf_dims, ranges,
+                                                      (plan.ranges or {}).get("stride", 1), tokens=tokens)
+    with stages("export", f"{name} {plan.name}"):
+        return export.export_variant(module, call.args, call.kwargs, optimize.export_context(target.optimize),
+                                     dynamic_shapes)
+
+
+def _compile_all(programs: dict[str, torch.export.ExportedProgram], what: str, inductor_options: dict[str, Any],
+                 stages: _Stages) -> dict[str, list]:
+    compiled = {}
+    for i, (name, program) in enumerate(programs.items(), 1):
+        with stages("compile", f"{what} {name} ({i}/{len(programs)}, AOTInductor)"):
+            compiled[name] = export.compile_variant(program, inductor_options)
+    return compiled
+
+
+def _component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, compiled: dict[str, list],
+                      constants: dict[str, torch.Tensor], layouts: dict[str, dict],
+                      variants: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "attribute": spec.attribute, "method": spec.method,
+        "package": f"{spec.name}.pt2", "weights": f"{spec.name}.safetensors",
+        "dtype": dtype,
+        "custom_ops": sorted({ns for files in compiled.values() for ns in export.custom_ops_called(files)}),
+        # Less the folder it was read from: a machine path (an HF cache, a local checkout).
+        "config": {k: v for k, v in module.config.items() if k != "_name_or_path"},
+        "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
+        "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
+                      "layouts": layouts},
+        "variants": variants,
+    }
+
+
 def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, plans: list[VariantPlan],
                      examples: dict, dims: dict[str, tuple], modes: tuple[bool, ...], dtype: str,
                      inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
@@ -495,56 +603,75 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
     for plan in plans:
         call = examples[plan.points[0]][spec.name]
         leaf_dims, call_batch = dims[plan.name]
-        entry: dict[str, Any] = {"name": plan.name}
-        if plan.kind == "bucket":
-            bucket = plan.bucket
-            entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width}
-            entry["inputs"] = leaf_signature((call.args, call.kwargs))
-            if leaf_dims is not None:
-                tensor_dims = iter(leaf_dims)
-                for leaf in entry["inputs"]:
-                    if "shape" in leaf:
-                        leaf["dims"] = next(tensor_dims)
-        else:
-            entry["dynamic"] = dict(plan.ranges)
-            entry["inputs"] = _dynamic_signature(call, leaf_dims)
-        if call_batch is not None:
-            entry["call_batch"] = call_batch
-        if spec.denoiser and pipeline_spec(target.pipeline).cfg_batch:
-            served = {False if p.endswith(":unguided") else modes[0] for p in plan.points}
-            entry["guidance"] = [g for g, on in (("guided", True), ("unguided", False)) if on in served]
-        if plan.kind == "tile":
-            entry["tile"] = True
-        dynamic_shapes = None
-        if leaf_dims is not None:
-            ranges = {**(plan.ranges or {}), "batch": call_batch}
-            dynamic_shapes = shapes.export_dynamic_shapes(exported, call.args, call.kwargs, leaf_dims, ranges,
-                                                          (plan.ranges or {}).get("stride", 1))
-        with stages("export", f"{spec.name} {entry['name']}"):
-            programs[entry["name"]] = export.export_variant(exported, call.args, call.kwargs,
-                                                            optimize.export_context(target.optimize), dynamic_shapes)
+        variants.append(_variant_entry(plan, call, leaf_dims, call_batch, _served_guidance(spec, target, plan, modes)))
+        programs[plan.name] = _export(exported, spec.name, plan, call, leaf_dims, call_batch, target, stages)
+    compiled = _compile_all(programs, spec.name, inductor_options, stages)
+    with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
+        constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device))
+    return _component_record(spec, module, dtype, compiled, constants, layouts, variants)
+
+
+def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[regions.Region],
+                    instances: dict[str, torch.nn.Module], target: Target, plans: list[VariantPlan],
+                    examples: dict, dims: dict[str, dict[str, tuple]], modes: tuple[bool, ...], dtype: str,
+                    inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
+    """Export and compile each region once per variant, package them all in one file, and store
+    every instance's weights and the eager part's (`runtime/regional.py` runs them); returns the
+    component's manifest entry. The component's variants record the call signatures the runtime
+    checks each call against, as for a whole model."""
+    from torch.export import Dim
+
+    module = module.eval()
+    variants = []
+    for plan in plans:
+        call = examples[plan.points[0]][spec.name]
+        entry = _variant_entry(plan, call, *dims[spec.name][plan.name], _served_guidance(spec, target, plan, modes))
+        for leaf in entry["inputs"]:
+            if "value" in leaf and not _is_literal(leaf["value"]):
+                raise BuildError(f"{spec.name}: input {leaf['path']} is {leaf['value']}, which a regional model cannot "
+                                 f"record", hint='use [compile] mode = "whole"')
+        entry["in_spec"] = pytree.treespec_dumps(pytree.tree_flatten((tuple(call.args), call.kwargs))[1])
+        entry["out_spec"] = pytree.treespec_dumps(pytree.tree_flatten((call.output,))[1])
         variants.append(entry)
-    compiled = {}
-    for i, (name, program) in enumerate(programs.items(), 1):
-        with stages("compile", f"{spec.name} {name} ({i}/{len(programs)}, AOTInductor)"):
-            compiled[name] = export.compile_variant(program, inductor_options)
-    custom_ops = sorted({ns for files in compiled.values() for ns in export.custom_ops_called(files)})
-    package_file, weights_file = f"{spec.name}.pt2", f"{spec.name}.safetensors"
-    with stages("package", f"{package_file} + {weights_file}"):
-        constants, layouts = _write_package(out, package_file, weights_file, compiled, programs,
-                                            torch.device(target.device))
-    return {
-        "attribute": spec.attribute, "method": spec.method,
-        "package": package_file, "weights": weights_file,
-        "dtype": dtype,
-        "custom_ops": custom_ops,
-        # Less the folder it was read from: a machine path (an HF cache, a local checkout).
-        "config": {k: v for k, v in module.config.items() if k != "_name_or_path"},
-        "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
-        "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
-                      "layouts": layouts},
-        "variants": variants,
-    }
+    programs: dict[str, torch.export.ExportedProgram] = {}
+    region_entries = []
+    for region in found:
+        block = instances[region.instances[0]].eval()
+        entries = []
+        for plan in plans:
+            call = examples[plan.points[0]][region.name]
+            leaf_dims, call_batch = dims[region.name][plan.name]
+            entry = {**_variant_entry(plan, call, leaf_dims, call_batch, None), "model": f"{region.name}__{plan.name}"}
+            # Sequence dims in a block (Flux's image tokens, and its rotary embedding's text + image
+            # tokens) are related by the code: export infers how (Dim.AUTO), the ranges come from the call.
+            programs[entry["model"]] = _export(block, region.name, plan, call, leaf_dims, call_batch, target, stages,
+                                               tokens=Dim.AUTO)
+            entries.append(entry)
+        region_entries.append({"name": region.name, "class": region.block_class, "instances": list(region.instances),
+                               "variants": entries})
+    compiled = _compile_all(programs, spec.name, inductor_options, stages)
+    with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
+        constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device),
+                                            regional=(module, found, instances, region_entries))
+    in_blocks = sum(t.numel() for fqn in instances for t in instances[fqn].parameters())
+    total = sum(t.numel() for t in module.parameters())
+    record = _component_record(spec, module, dtype, compiled, constants, layouts, variants)
+    record.update(mode="regional", regions=region_entries, eager={
+        "parameters": total - in_blocks, "share": round((total - in_blocks) / max(total, 1), 4),
+        "reason": "the code between blocks (embeddings, norms, convolutions, the final projection) runs as "
+                  "eager torch on the artifact's weights: diffusers' own forward, calling the compiled blocks"})
+    return record
+
+
+def _is_literal(text: str) -> bool:
+    """Whether a recorded non-tensor input can be made again from its repr (the runtime does)."""
+    import ast
+
+    try:
+        ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return False
+    return True
 
 
 def _dynamic_signature(call: capture.CapturedCall, dims: list) -> list[dict[str, Any]]:
@@ -559,7 +686,10 @@ def _dynamic_signature(call: capture.CapturedCall, dims: list) -> list[dict[str,
             leaf["dims"] = next(tensor_dims)
             nhwc = tensor.ndim == 4 and not tensor.is_contiguous() and tensor.is_contiguous(
                 memory_format=torch.channels_last)
-            leaf["layout"] = "channels_last" if nhwc else "contiguous"
+            if nhwc or tensor.is_contiguous() or not export.dense(tensor):
+                leaf["layout"] = "channels_last" if nhwc else "contiguous"
+            else:  # a permuted view (SD 1.5's transformer blocks take one): its dims from outer to inner in memory
+                leaf["layout"] = sorted(range(tensor.ndim), key=lambda d: (-tensor.stride(d), d))
     return leaves
 
 
@@ -608,24 +738,61 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
     return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}
 
 
-def _write_package(out: Path, package_file: str, weights_file: str, compiled: dict[str, list],
-                   programs: dict[str, torch.export.ExportedProgram],
-                   device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+def _write_package(out: Path, name: str, compiled: dict[str, list], programs: dict[str, torch.export.ExportedProgram],
+                   device: torch.device, regional: tuple | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Write the package, then the weights: exactly the constants some variant binds (the
     programs also hold parameters no compiled code reads, e.g. the q/k/v projections that
-    fuse_qkv replaced), each in the memory order the code reads it. Returns (constants, layouts)."""
+    fuse_qkv replaced), each in the memory order the code reads it. Returns (constants, layouts).
+
+    `regional` (model, regions, instances, region entries): the constants are every instance's
+    (by the model's FQNs), each region's lifted ones once (`<region>.<name>`), and the eager
+    part's parameters and buffers; each region variant's entry records the names it binds."""
     from safetensors.torch import save_file
 
+    package_file, weights_file = f"{name}.pt2", f"{name}.safetensors"
     export.package(out / package_file, compiled)
     sha256 = sha256_file(out / package_file)
-    bound = set()
-    for name in compiled:
-        bound.update(open_model(out / package_file, sha256, name, device).get_constant_fqns())
-    constants = export.constants_of(list(programs.values()), bound)
+    binds = {model: list(open_model(out / package_file, sha256, model, device).get_constant_fqns())
+             for model in compiled}
+    if regional is None:
+        constants = export.constants_of(list(programs.values()), {fqn for names in binds.values() for fqn in names})
+    else:
+        constants = _regional_constants(*regional, binds, programs)
     stored, layouts = export.storage_order(constants)
     save_file({k: v.cpu() for k, v in stored.items()}, os.fspath(out / weights_file))
     (out / weights_file).chmod(0o644)
     return constants, layouts
+
+
+def _regional_constants(module: torch.nn.Module, found: list[regions.Region], instances: dict[str, torch.nn.Module],
+                        entries: list[dict[str, Any]], binds: dict[str, list[str]],
+                        programs: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+    from .runtime.weights import same_layout
+
+    constants: dict[str, torch.Tensor] = {}
+    for region, entry in zip(found, entries, strict=True):
+        names = sorted({n for v in entry["variants"] for n in binds[v["model"]]})
+        for variant in entry["variants"]:
+            variant["constants"] = binds[variant["model"]]
+        first = instances[region.instances[0]]
+        own = {n for n, _ in [*first.named_parameters(), *first.named_buffers()]}
+        lifted = export.constants_of([programs[v["model"]] for v in entry["variants"]], set(names) - own)
+        entry["shared_constants"] = sorted(lifted)
+        constants.update({f"{region.name}.{n}": t for n, t in lifted.items()})
+        reference = regions.instance_constants(region, first, region.instances[0], names, lifted)
+        for fqn in region.instances:
+            mine = regions.instance_constants(region, instances[fqn], fqn, names, lifted)
+            for (full, tensor), like in zip(mine.items(), reference.values(), strict=True):
+                if not same_layout(tensor, like, like.device):
+                    raise BuildError(f"{region.name}: {full} is {list(tensor.shape)} {tensor.dtype}, unlike the "
+                                     f"region's first block {region.instances[0]}")
+            constants.update(mine)
+    prefixes = tuple(f"{fqn}." for fqn in instances)
+    for fqn, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if not fqn.startswith(prefixes):
+            constants[fqn] = tensor.detach()
+    return constants
 
 
 def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, CapturePoint],
@@ -641,10 +808,11 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
         weights = load_weights(out / entry["weights"], device, layouts)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         package_sha = sha256_file(out / entry["package"])
-        plain = {}
+        opened, _ = component_variants(out / entry["package"], entry, device, weights, package_sha, layouts, None,
+                                       threading.RLock())
+        plain = {variant.name: variant for variant in opened}
         for variant_entry in entry["variants"]:
-            variant = plain[variant_entry["name"]] = CompiledVariant(out / entry["package"], variant_entry, device,
-                                                                     weights, package_sha, layouts)
+            variant = plain[variant_entry["name"]]
             checked = next(plan.points for plan in plans[name] if plan.name == variant.name)
             errors = {}
             for point in checked:
@@ -666,8 +834,8 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
             if not worst_rel <= tolerance:  # also catches NaN
                 failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
         if graph_pool is not None:
-            graph_failures += _check_cuda_graphs(out / entry["package"], name, plain, weights, package_sha, layouts,
-                                                 reference, device, graph_pool)
+            graph_failures += _check_cuda_graphs(out / entry["package"], entry, name, plain, weights, package_sha,
+                                                 layouts, reference, device, graph_pool)
         # The bound weights stay on the device regardless: torch 2.13 never deletes its handle to a
         # user-managed constant (fixed upstream by pytorch#194480), so they live until the build ends.
         del plain, weights, variant
@@ -678,14 +846,14 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                             hint="inspect the recipe, or accept with --allow-numerics-drift")
 
 
-def _check_cuda_graphs(package: Path, component: str, plain: dict[str, CompiledVariant], weights: dict,
-                       package_sha: str, layouts: dict[str, dict], reference: dict,
+def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, plain: dict[str, CompiledVariant],
+                       weights: dict, package_sha: str, layouts: dict[str, dict], reference: dict,
                        device: torch.device, pool: GraphPool) -> list[str]:
     """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
     component captured into one shared pool, then each replayed on new random inputs. Records each
     variant's largest relative difference in its numerics; returns the failures."""
-    graphed = {name: CompiledVariant(package, v.entry, device, weights, package_sha, layouts, pool)
-               for name, v in plain.items() if "bucket" in v.entry}
+    opened, _ = component_variants(package, entry, device, weights, package_sha, layouts, pool, threading.RLock())
+    graphed = {v.name: v for v in opened if "bucket" in v.entry}
     generator = torch.Generator().manual_seed(0)
     diffs: dict[str, float] = dict.fromkeys(graphed, 0.0)
     first: dict[str, torch.Tensor] = {}

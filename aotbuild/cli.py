@@ -46,7 +46,8 @@ def targets(targets_dir: Path | None) -> None:
         shapes = ",".join(str(s) for s in t.shapes)
         if t.dynamic:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
-        runtime = ["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
+        runtime = (["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
+                   + ["regional"] * (t.compile_mode == "regional"))
         runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")
         components = ",".join(c + "[tiling]" * (c in t.tiling) for c in t.components)
         click.echo(f"{t.name:<22} {t.device:<5} {t.dtype:<9} {t.pipeline:<32} shapes={shapes} "
@@ -279,8 +280,9 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) 
 @click.option("--cases", help="comma-separated cases (default: eager,compile,compile-cached,aot); on request: "
                               "aot-dynamic (the dynamic model at the first bucket's shape), aot-cuda-graphs and "
                               "aot-no-cuda-graphs (CUDA targets: graphs forced on / off), aot-lora (LoRA switches), "
-                              "aot-tiling (the first bucket decoded whole and by tiles); with --serve: backends "
-                              "(default: aot,eager,compile)")
+                              "aot-tiling (the first bucket decoded whole and by tiles), aot-regional (the target "
+                              "built with [compile] mode = \"regional\"; both builds are timed afresh first); with "
+                              "--serve: backends (default: aot,eager,compile)")
 @click.option("--serve", "serve_bench", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
                                                         "image, per backend; writes serve-bench.json")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
@@ -290,7 +292,7 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) 
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, serve_bench: bool, port: int,
           plot_path: Path | None, artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json."""
-    from .bench import BENCH_NAME, CASES, format_table, plot, run_bench
+    from .bench import BENCH_NAME, CASES, DEFAULT_RATIOS, REGIONAL_CASE, REGIONAL_RATIOS, format_table, plot, run_bench
     from .targets import load_target
 
     target = load_target(target_name)
@@ -309,7 +311,7 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
         return
     document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady, cases=chosen or CASES,
                          progress=progress)
-    click.echo(format_table(document))
+    click.echo(format_table(document, REGIONAL_RATIOS if REGIONAL_CASE in document["runs"] else DEFAULT_RATIOS))
     click.echo(f"wrote {artifacts / target.name / BENCH_NAME}")
     if plot_path:
         plot(document, plot_path)
@@ -379,6 +381,26 @@ def _dim_text(dim: Any) -> str:
     return f"{dim['axis'][0].upper()}/{dim['pixels']}"
 
 
+def _inputs_text(inputs: list[dict[str, Any]]) -> str:
+    return " ".join(f"{i['path']}=[{', '.join(map(_dim_text, i['shape'] if 'shape' in i else i['dims']))}]"
+                    for i in inputs if "shape" in i or "dims" in i)
+
+
+def _regions_text(component: dict[str, Any]) -> list[str]:
+    """A regional component's regions: instances each serves, and each variant's block signature."""
+    regions = component["regions"]
+    blocks = sum(len(r["instances"]) for r in regions)
+    lines = [f"    regional: {blocks} blocks in {len(regions)} regions, each compiled once per variant; the code "
+             f"between blocks runs eager ({component['eager']['share']:.1%} of the parameters)"]
+    for region in regions:
+        instances = region["instances"]
+        shown = instances[0] if len(instances) == 1 else f"{instances[0]} ... {instances[-1]}"
+        lines.append(f"      {region['name']:<30} x{len(instances):<3} {shown}")
+        for v in region["variants"]:
+            lines.append(f"        {v['name']:<12} {_inputs_text(v['inputs'])}")
+    return lines
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -405,10 +427,10 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
                      + (f", {layouts} stored in memory order" if layouts else "") + ")")
         for v in c["variants"]:
             num = v.get("numerics", {})
-            shapes = " ".join(f"{i['path']}=[{', '.join(map(_dim_text, i['shape'] if 'shape' in i else i['dims']))}]"
-                              for i in v["inputs"] if "shape" in i or "dims" in i)
             error = f"rel.err {num.get('max_rel_error', float('nan')):.2e} (tol {num.get('tolerance', '?')})"
-            lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}   {shapes}")
+            lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}   {_inputs_text(v['inputs'])}")
+        if c.get("mode") == "regional":
+            lines += _regions_text(c)
     lines.append("files")
     for name, f in m["files"].items():
         if "/" not in name:

@@ -167,7 +167,7 @@ def storage_order(constants: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     seen: set[int] = set()
     for fqn, tensor in constants.items():
         if not tensor.is_contiguous():
-            if not _dense(tensor):
+            if not dense(tensor):
                 raise BuildError(f"constant {fqn} has a layout no stored copy can have (shape {list(tensor.shape)}, "
                                  f"strides {list(tensor.stride())}: not dense)")
             layouts[fqn] = {"shape": list(tensor.shape), "stride": list(tensor.stride())}
@@ -181,7 +181,7 @@ def storage_order(constants: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return stored, layouts
 
 
-def _dense(tensor: torch.Tensor) -> bool:
+def dense(tensor: torch.Tensor) -> bool:
     """Every element at its own offset, none skipped: a permutation of a contiguous layout."""
     expected = 1
     for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1):

@@ -18,6 +18,11 @@ MANIFEST_NAME = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in targets
 SCHEMA_VERSION = 3  # 2: only bound constants are stored, non-contiguous ones in memory order (constants.layouts);
 # 3: batch dims in units of the call's batch over `call_batch` (guided and unguided calls), VAE parts
+# 4: a regional component (compiled regions + eager code between them), or a dynamic input laid out as
+# a permutation (`layout`: its dims in memory order); written only for such artifacts, so the others stay
+# schema 3, readable by older runtimes, and this one reads both.
+REGIONAL_SCHEMA = 4
+READABLE_SCHEMAS = (SCHEMA_VERSION, REGIONAL_SCHEMA)
 # x86 CPU capabilities torch reports, weakest first: code built for one runs on any later one.
 CPU_ISA_ORDER = ("DEFAULT", "AVX2", "AVX512")
 # Inductor compiles CPU code with -march=native: these instruction-set flags of the build machine
@@ -119,8 +124,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CorruptArtifactError(f"{path} is not valid JSON: {exc}") from None
-    if manifest.get("schema") != SCHEMA_VERSION:
-        raise IncompatibleArtifactError("schema", SCHEMA_VERSION, manifest.get("schema"))
+    if manifest.get("schema") not in READABLE_SCHEMAS:
+        raise IncompatibleArtifactError("schema", " or ".join(map(str, READABLE_SCHEMAS)), manifest.get("schema"))
     try:
         named = [*manifest["files"], *(entry[key] for entry in manifest["components"].values()
                                        for key in ("package", "weights"))]

@@ -118,12 +118,14 @@ def in_call_batches(dims: list[list[Any]]) -> list[list[Any]]:
 
 
 def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, dims: list[list[Any]],
-                          ranges: dict[str, list[int]], stride: int) -> dict[str, Any]:
-    """The `dynamic_shapes` argument of torch.export for this call, keyed by parameter name."""
+                          ranges: dict[str, list[int]], stride: int, tokens: Any = None) -> dict[str, Any]:
+    """The `dynamic_shapes` argument of torch.export for this call, keyed by parameter name.
+    Token dims over the same range are one Dim; `tokens` (e.g. `Dim.AUTO`) replaces them where
+    the code relates sequences of different ranges (a block's rotary embedding spans text + image)."""
     from torch.export import Dim
 
     roots: dict[str, Any] = {}  # made when a dim uses them: a bucket's model has a batch dim only
-    tokens: dict[tuple[int, int], Any] = {}  # token dims over the same range are one sequence (Flux ids)
+    sequences: dict[tuple[int, int], Any] = {}  # token dims over the same range are one sequence (Flux ids)
 
     def root(axis: str) -> Any:
         if axis not in roots:
@@ -135,8 +137,10 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, di
         if dim["axis"] == "batch":
             return root("batch") * dim["factor"] if dim["factor"] != 1 else root("batch")
         if dim["axis"] == "tokens":
+            if tokens is not None:
+                return tokens
             key = (dim["min"], dim["max"])
-            return tokens.setdefault(key, Dim(f"tokens{len(tokens)}", min=dim["min"], max=dim["max"]))
+            return sequences.setdefault(key, Dim(f"tokens{len(sequences)}", min=dim["min"], max=dim["max"]))
         return root(dim["axis"]) * dim["multiple"] if dim["multiple"] != 1 else root(dim["axis"])
 
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))

@@ -23,8 +23,11 @@ DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
-    "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs",
+    "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
 )
+# How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
+# code between blocks running eager).
+COMPILE_MODES = ("whole", "regional")
 # Which denoiser batches the variants serve: with classifier-free guidance (2 x images), without
 # it (guidance_scale <= 1: turbo, LCM, lightning checkpoints), or both on one artifact.
 GUIDANCE_MODES = ("both", "guided", "unguided")
@@ -76,6 +79,7 @@ class Target:
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
+    compile_mode: str = "whole"  # COMPILE_MODES
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -92,6 +96,8 @@ class Target:
         data["shapes"] = [asdict(s) for s in self.shapes]
         data["components"] = list(self.components)
         data["tiling"] = list(self.tiling)
+        if self.compile_mode == "whole":  # the default leaves the hashes of whole-model targets as they were
+            del data["compile_mode"]
         return data
 
     @classmethod
@@ -99,6 +105,7 @@ class Target:
         """Inverse of `to_dict` (validates again)."""
         raw = dict(data)
         tiling = set(raw.pop("tiling", ()))
+        raw["compile"] = {"mode": raw.pop("compile_mode", "whole")}
         raw["components"] = {name: {"tiling": True} if name in tiling else {}
                              for name in raw.get("components", ())}
         raw = {k: v for k, v in raw.items() if v is not None}
@@ -290,13 +297,35 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     if cuda_graphs and device != "cuda":
         raise TargetError(f"{origin}: key 'cuda_graphs' is only allowed with device = \"cuda\"")
 
+    compile_mode = _parse_compile(origin, raw.get("compile", {}), spec, components, optimize)
+
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
         components=tuple(components), description=str(raw.get("description", "")),
         revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, guidance=guidance_mode,
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
-        optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, base_dir=base_dir,
+        optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
+        base_dir=base_dir,
     )
+
+
+def _parse_compile(origin: str, table: Any, spec: Any, components: dict[str, Any], optimize: dict[str, Any]) -> str:
+    """[compile] mode = "whole" | "regional"."""
+    _expect(origin, "compile", table, dict, 'a table {mode = "whole" | "regional"}')
+    unknown = sorted(set(table) - {"mode"})
+    if unknown:
+        raise TargetError(f"{origin}: unknown key 'compile.{unknown[0]}'; allowed: mode")
+    mode = _choice(origin, "compile.mode", table.get("mode", "whole"), COMPILE_MODES)
+    if mode == "regional":
+        if not any(spec.components[name].denoiser for name in components):
+            raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" compiles a denoiser's repeated blocks, "
+                              f"and [components] has no denoiser "
+                              f"({', '.join(n for n, c in spec.components.items() if c.denoiser)})")
+        if "quantize" in optimize:
+            raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" does not combine with optimize.quantize: "
+                              f"the code between blocks runs eager, and the runtime does not import torchao",
+                              hint='use [compile] mode = "whole" for a quantized target')
+    return mode
 
 
 def _check_largest(origin: str, key: str, pixels: int, largest: int | None, spec: Any) -> None:

@@ -3,7 +3,8 @@ bind their weights without copies, and swap them into a diffusers pipeline.
 
 One module per concern: `cache` (extracted packages, verified weights, what is trusted),
 `weights` (layouts and binding checks), `variant` (one compiled model), `graphs` (CUDA graphs),
-`component` (the stand-in module), `autoencoder` (the VAE's stand-in: diffusers' encode and decode
+`component` (the stand-in module), `regional` (a regional denoiser: diffusers' forward
+calling compiled blocks), `autoencoder` (the VAE's stand-in: diffusers' encode and decode
 over the compiled parts), `load` (the public entry points).
 
 Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,

@@ -92,8 +92,11 @@ class CompiledComponent(torch.nn.Module):
                                     + (f"{list(base.shape)} {base.dtype} with strides {list(base.stride())} on "
                                        f"{base.device}" if base is not None else "no such constant"))
         with self._lock:
-            for variant in self.variants:
-                variant.rebind(tensors)
+            self._bind(tensors)
+
+    def _bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        for variant in self.variants:
+            variant.rebind(tensors)
 
     def _lora_state(self) -> Any:
         from .lora import LoraState

@@ -25,7 +25,7 @@ from .checkpoint import checkpoint_constants, module_tensors
 from .component import CompiledComponent, Config
 from .graphs import GraphPool
 from .lora import lora_component_class
-from .variant import CompiledVariant
+from .regional import RegionalComponent, component_variants
 from .weights import load_weights
 
 
@@ -137,11 +137,12 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         package = folder / entry["package"]
         sha256 = hashed.get(entry["package"]) or sha256_file(package)  # the cache is keyed by checked hashes
         lock = threading.RLock()
-        variants = [CompiledVariant(package, v, device, tensors, sha256, layouts, pool, lock)
-                    for v in entry["variants"]]
-        cls = lora_component_class(CompiledComponent) if spec.component(name).denoiser else CompiledComponent
+        variants, regional = component_variants(package, entry, device, tensors, sha256, layouts, pool, lock)
+        base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
+        cls = lora_component_class(base) if spec.component(name).denoiser else base
         described = {**entry, "pipeline": manifest["target"]["pipeline"], "quantize": recipe}
-        component = cls(name, described, variants, tensors, device, eager=(eager or {}).get(name), lock=lock)
+        component = cls(name, described, variants, tensors, device, eager=(eager or {}).get(name), lock=lock,
+                        **extra)
         part = spec.component(name).part
         if part is None:
             modules[entry["attribute"]] = component

@@ -79,7 +79,8 @@ class CompiledVariant:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
         self._lock = lock or threading.RLock()  # shared by a component's variants: see CompiledComponent
-        self._model = open_model(package, sha256, self.name, device)
+        # A region's variant is one of several models of the package (`model`); else it is named so.
+        self._model = open_model(package, sha256, entry.get("model", self.name), device)
         self.constant_fqns = list(self._model.get_constant_fqns())
         self._fqns = set(self.constant_fqns)
         bound = {fqn: bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
@@ -87,12 +88,14 @@ class CompiledVariant:
         # user_managed: by pointer, no copy; the caller keeps the tensors alive.
         self._model.load_constants(bound, False, True, True)
         self._run = self._model.boxed_run  # takes the list of inputs it is given
-        in_spec, out_spec = self._model.get_call_spec()
+        self._init_calls(*self._model.get_call_spec(), cuda_graph_pool)
+
+    def _init_calls(self, in_spec: str, out_spec: str, cuda_graph_pool: GraphPool | None) -> None:
         self.in_spec = pytree.treespec_loads(in_spec)
         self.out_spec = pytree.treespec_loads(out_spec)
         # A bucket's model serves a few call batches (1 image to its batch, guided and not): one
         # graph per call shape, captured on its first call.
-        self.graph_pool = cuda_graph_pool if device.type == "cuda" and "bucket" in entry else None
+        self.graph_pool = cuda_graph_pool if self._device.type == "cuda" and "bucket" in self.entry else None
         self.cuda_graphs: dict[tuple, CudaGraph] = {}
 
     def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -145,6 +148,13 @@ class CompiledVariant:
         if self.graph_pool is not None:
             tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
             return pytree.tree_unflatten(self._cuda_graph(tensors)(tensors), self.out_spec)
+        tensors = self._prepare(leaves, device)
+        # The runner launches on the current device's stream: make that this model's device.
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            return pytree.tree_unflatten(self._run(tensors), self.out_spec)
+
+    def _prepare(self, leaves: list[tuple[str, Any]], device: torch.device) -> list[torch.Tensor]:
+        """The call's tensors as the model was compiled for them."""
         tensors = []
         for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
             if isinstance(leaf, torch.Tensor):
@@ -157,12 +167,13 @@ class CompiledVariant:
                     leaf = torch.empty_strided(leaf.shape, expected["stride"], dtype=want, device=device).copy_(leaf)
                 elif expected.get("layout") == "channels_last":
                     leaf = leaf.contiguous(memory_format=torch.channels_last)
+                elif isinstance(expected.get("layout"), list):  # dims in memory order, outer to inner
+                    order = expected["layout"]
+                    leaf = leaf.permute(order).contiguous().permute([order.index(d) for d in range(len(order))])
                 elif "layout" in expected:
                     leaf = leaf.contiguous()
                 tensors.append(leaf)
-        # The runner launches on the current device's stream: make that this model's device.
-        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
-            return pytree.tree_unflatten(self._run(tensors), self.out_spec)
+        return tensors
 
     def _cuda_graph(self, tensors: list[torch.Tensor]) -> CudaGraph:
         key = tuple(tuple(t.shape) for t in tensors)
