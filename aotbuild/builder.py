@@ -431,7 +431,7 @@ def _tile_ranges(spec: ComponentSpec, vae: Any, stride: int, largest: int) -> di
 
 
 def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
-                 device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module],
+                 device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module] | None = None,
                  ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls]]:
     """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}): one pipeline
     call per distinct point for the components the pipeline calls; random inputs for the others
@@ -468,7 +468,7 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
-                with regions.recording(blocks) as block_runs[key]:
+                with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
                         guidance_scale=target.guidance_scale if point.guided else 1.0,

@@ -214,3 +214,21 @@ def test_the_bench_compares_a_whole_target_with_its_regional_build():
         regional_target(target)
     with pytest.raises(TargetError, match="does not combine with optimize.quantize"):
         regional_target(load_target(TARGETS / "cpu-tiny-sdxl-int8.toml"))
+
+
+@pytest.mark.slow
+def test_a_regional_artifact_travels_through_the_hub(monkeypatch, tmp_path_factory):
+    """Pushed as one variant, resolved for this machine, loaded from hf://: the same image."""
+    from aotbuild.hub import push
+
+    from .hubserver import FakeHub
+
+    built = build_once(tmp_path_factory, load_target(TARGETS / "cpu-tiny-flux-regional.toml"))
+    with FakeHub() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_aotbuildRegionalTestToken")
+        push(built.folder, "aotbuild-test/regional")
+        pulled = aotbuild.load_pipeline("hf://aotbuild-test/regional")
+    assert type(denoiser(pulled)).__name__ == "RegionalComponent"
+    np.testing.assert_array_equal(run(pulled, height=64, width=64),
+                                  run(aotbuild.load_pipeline(built.folder), height=64, width=64))

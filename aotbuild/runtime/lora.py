@@ -351,12 +351,16 @@ def _accepted_by_pipelines(cls: type) -> None:
     `from_pretrained` only), so `Img2ImgPipeline.from_pipe(pipe)` keeps the compiled denoiser."""
     from diffusers import DiffusionPipeline
 
+    _COMPILED_CLASSES.append(cls)  # the whole-model and the regional denoiser
     original = DiffusionPipeline.__dict__["_get_signature_types"].__func__
     if getattr(original, "accepts_compiled", False):
         return
 
     def _get_signature_types(pipeline_cls: type) -> dict[str, tuple]:
-        return {name: (*types, cls) for name, types in original(pipeline_cls).items()}
+        return {name: (*types, *_COMPILED_CLASSES) for name, types in original(pipeline_cls).items()}
 
     _get_signature_types.accepts_compiled = True
     DiffusionPipeline._get_signature_types = classmethod(_get_signature_types)
+
+
+_COMPILED_CLASSES: list[type] = []

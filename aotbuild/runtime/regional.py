@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
-from .component import CompiledComponent
+from .component import CompiledComponent, unsupported_call
 from .graphs import GraphPool
 from .lora import meta_model
 from .variant import CompiledVariant
@@ -41,7 +41,8 @@ class CompiledBlock(torch.nn.Module):
         leaves = variant.flatten(args, kwargs)
         if leaves is None or not variant.accepts(leaves):  # a builder defect, never silent
             raise AotbuildError(f"block {self.fqn}: its compiled variant {variant.name} does not take the call the "
-                                f"model makes under the component's variant of that name")
+                                f"model makes under the component's variant of that name: "
+                                + unsupported_call(f"block {self.fqn}", [variant], args, kwargs))
         return variant.run(leaves, self._state.device)
 
     def extra_repr(self) -> str:
