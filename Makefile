@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: install
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"
