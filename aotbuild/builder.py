@@ -201,9 +201,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     with stages("capture", "eager float32 reference"):
         reference, block_calls = _capture_all(pipe, spec, specs, target, points, device, stages.progress, instances)
     found = regions.group(instances, block_calls) if instances else []
-    for region in found:
-        for point, call in regions.region_calls(region, block_calls).items():
-            reference[point][region.name] = call
+    for point, record in block_calls.items():
+        reference[point] |= {r.name: regions.region_call(r, record) for r in found}
     if found:
         stages.progress("regions", f"{regional.name}: {len(instances)} blocks in {len(found)} regions: "
                         + ", ".join(f"{r.name} x{len(r.instances)}" for r in found))
@@ -224,7 +223,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
             optimized, block_calls = _capture_all(pipe, spec, specs, target, {n: points[n] for n in examples},
                                                   device, stages.progress, instances)
             for name, record in block_calls.items():  # the optimized blocks' calls, by region
-                optimized[name] |= {r.name: record.calls[record.keys[r.instances[0]]] for r in found}
+                optimized[name] |= {r.name: regions.region_call(r, record) for r in found}
         examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
                         target.optimize, (call.args, call.kwargs)), call.output) for c, call in
                         optimized[name].items()}
@@ -780,10 +779,10 @@ def _regional_constants(module: torch.nn.Module, found: list[regions.Region], in
         lifted = export.constants_of([programs[v["model"]] for v in entry["variants"]], set(names) - own)
         entry["shared_constants"] = sorted(lifted)
         constants.update({f"{region.name}.{n}": t for n, t in lifted.items()})
-        reference = regions.instance_constants(region, first, region.instances[0], names, lifted)
-        for fqn in region.instances:
-            mine = regions.instance_constants(region, instances[fqn], fqn, names, lifted)
-            for (full, tensor), like in zip(mine.items(), reference.values(), strict=True):
+        per_instance = [regions.instance_constants(region, instances[fqn], fqn, names, lifted)
+                        for fqn in region.instances]
+        for mine in per_instance:
+            for (full, tensor), like in zip(mine.items(), per_instance[0].values(), strict=True):
                 if not same_layout(tensor, like, like.device):
                     raise BuildError(f"{region.name}: {full} is {list(tensor.shape)} {tensor.dtype}, unlike the "
                                      f"region's first block {region.instances[0]}")

@@ -125,7 +125,6 @@ class Region:
     name: str
     block_class: str
     instances: tuple[str, ...]
-    keys: dict[str, str]  # capture point -> the key of its instances' calls there
 
 
 def group(instances: dict[str, torch.nn.Module], records: dict[str, BlockCalls]) -> list[Region]:
@@ -139,16 +138,15 @@ def group(instances: dict[str, torch.nn.Module], records: dict[str, BlockCalls])
                              f"repeated block to run on every call")
         by_keys.setdefault(tuple(records[p].keys[fqn] for p in records), []).append(fqn)
     regions = []
-    for index, (keys, fqns) in enumerate(by_keys.items()):
+    for index, fqns in enumerate(by_keys.values()):
         block_class = type(instances[fqns[0]]).__name__
-        regions.append(Region(f"r{index}_{block_class}", block_class, tuple(fqns), dict(zip(records, keys,
-                                                                                              strict=True))))
+        regions.append(Region(f"r{index}_{block_class}", block_class, tuple(fqns)))
     return regions
 
 
-def region_calls(region: Region, records: dict[str, BlockCalls]) -> dict[str, CapturedCall]:
-    """The region's call at each point (one recorded per key, see `BlockCalls`)."""
-    return {point: records[point].calls[key] for point, key in region.keys.items()}
+def region_call(region: Region, record: BlockCalls) -> CapturedCall:
+    """The region's call in one run: the one recorded under its first instance's key (see `BlockCalls`)."""
+    return record.calls[record.keys[region.instances[0]]]
 
 
 def instance_constants(region: Region, block: torch.nn.Module, fqn: str, names: list[str],

@@ -73,8 +73,7 @@ class RegionalModel:
                                                                        layouts, lock), self.state)
                 parent, _, leaf = fqn.rpartition(".")
                 setattr(self.model.get_submodule(parent), leaf, self.blocks[fqn])
-        self._rest = [name for name in weights if name not in self._owners]
-        self._assign({name: weights[name] for name in self._rest})
+        self._assign({name: tensor for name, tensor in weights.items() if name not in self._owners})
         unset = [name for name, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
         if unset:
             raise CorruptArtifactError(f"{package}: the weights lack {unset[0]!r}, which the eager part of the "
@@ -135,14 +134,8 @@ class RegionalVariant(CompiledVariant):
 
     def __init__(self, entry: dict[str, Any], device: torch.device, model: RegionalModel,
                  cuda_graph_pool: GraphPool | None, lock: threading.RLock) -> None:
-        self.name = entry["name"]
-        self.entry = entry
-        self.inputs = entry["inputs"]
-        self._device = device
-        self._lock = lock
+        self._init_signature(entry, device, lock)
         self._regional = model
-        self.constant_fqns: list[str] = []
-        self._fqns: set[str] = set()
         self._values = [ast.literal_eval(leaf["value"]) if "value" in leaf else None for leaf in self.inputs]
         self._run = self._forward_flat
         self._init_calls(entry["in_spec"], entry["out_spec"], cuda_graph_pool)

@@ -72,13 +72,7 @@ class CompiledVariant:
     def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
                  weights: dict[str, torch.Tensor], sha256: str, layouts: dict[str, dict] | None = None,
                  cuda_graph_pool: GraphPool | None = None, lock: threading.RLock | None = None) -> None:
-        self.name = entry["name"]
-        self.entry = entry
-        self.inputs = entry["inputs"]
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device
-        self._lock = lock or threading.RLock()  # shared by a component's variants: see CompiledComponent
+        device = self._init_signature(entry, device, lock)
         # A region's variant is one of several models of the package (`model`); else it is named so.
         self._model = open_model(package, sha256, entry.get("model", self.name), device)
         self.constant_fqns = list(self._model.get_constant_fqns())
@@ -89,6 +83,19 @@ class CompiledVariant:
         self._model.load_constants(bound, False, True, True)
         self._run = self._model.boxed_run  # takes the list of inputs it is given
         self._init_calls(*self._model.get_call_spec(), cuda_graph_pool)
+
+    def _init_signature(self, entry: dict[str, Any], device: torch.device,
+                        lock: threading.RLock | None) -> torch.device:
+        """The variant's name, manifest entry, inputs, device (a CUDA one with its index) and lock;
+        returns the device."""
+        self.name = entry["name"]
+        self.entry = entry
+        self.inputs = entry["inputs"]
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self._lock = lock or threading.RLock()  # shared by a component's variants: see CompiledComponent
+        return device
 
     def _init_calls(self, in_spec: str, out_spec: str, cuda_graph_pool: GraphPool | None) -> None:
         self.in_spec = pytree.treespec_loads(in_spec)
