@@ -13,11 +13,16 @@ from .errors import (
     ArtifactError,
     BuildError,
     CorruptArtifactError,
+    HubError,
     IncompatibleArtifactError,
+    NoMatchingVariantError,
     NumericsError,
     ShapeNotSupportedError,
     SourceError,
     TargetError,
+    UnsupportedCallError,
+    UntrustedCodeError,
+    WeightsMismatchError,
 )
 
 __version__ = "0.1.0"
@@ -30,7 +35,8 @@ _LAZY = {
 
 __all__ = [
     "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "HubError", "IncompatibleArtifactError",
-    "NoMatchingVariantError", "NumericsError", "ShapeNotSupportedError", "SourceError", "TargetError", *_LAZY,
+    "NoMatchingVariantError", "NumericsError", "ShapeNotSupportedError", "SourceError", "TargetError",
+    "UnsupportedCallError", "UntrustedCodeError", "WeightsMismatchError", *_LAZY,
     "__version__",
 ]
 

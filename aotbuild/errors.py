@@ -65,6 +65,16 @@ class ShapeNotSupportedError(AotbuildError):
     """A call's input shapes match no compiled variant."""
 
 
+class UnsupportedCallError(AotbuildError):
+    """A call on a compiled component that aotbuild cannot honour exactly (another dtype or device,
+    autocast, layerwise casting, another attention kernel, saving diffusers weights): refused
+    before anything changes."""
+
+
+class UntrustedCodeError(AotbuildError):
+    """An artifact from a Hub repo (native code) loaded without `trust_remote_code=True`."""
+
+
 class HubError(AotbuildError):
     """A Hub request failed (network, auth, missing repo or revision)."""
 

@@ -76,6 +76,43 @@ def gpu_fits(built: dict[str, Any], here: dict[str, Any]) -> bool:
         and enough_shared
 
 
+# The libraries whose code a build bakes in (diffusers' forward is traced, and a regional artifact
+# runs today's forward around blocks compiled from the build's), by distribution name.
+LIBRARIES = ("diffusers", "transformers", "torchao", "peft")
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed version of each of `LIBRARIES` (None: not installed); read from the
+    installed distributions' metadata, nothing is imported."""
+    from importlib import metadata
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def check_libraries(manifest: dict[str, Any]) -> None:
+    """Refuse a regional artifact under another diffusers than it was built with: the code
+    between its compiled blocks is diffusers' forward as installed now, and its blocks were
+    compiled from the build's. A whole-model artifact holds all its compiled code itself.
+
+    Raises:
+        IncompatibleArtifactError: naming both versions.
+    """
+    if not any(entry.get("mode") == "regional" for entry in manifest["components"].values()):
+        return
+    built = (manifest["environment"].get("libraries") or {}).get("diffusers")
+    here = library_versions()["diffusers"]
+    if built is not None and built != here:
+        raise IncompatibleArtifactError(
+            "diffusers", here, built, hint=f"a regional artifact runs diffusers' own forward between its compiled "
+                                           f"blocks: install diffusers=={built}, or rebuild it with this diffusers")
+
+
 def aotbuild_version() -> str:
     from . import __version__
 
@@ -95,6 +132,7 @@ def environment(device: str, index: int | None = None) -> dict[str, Any]:
         "device_type": device,
         "cuda": torch.version.cuda,  # the CUDA runtime torch ships with
         "hip": getattr(torch.version, "hip", None),
+        "libraries": library_versions(),
     }
     if device == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)

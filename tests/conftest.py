@@ -57,7 +57,7 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # Each list is in the order the tests first need them; `build_once` waits on a target's build
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
 PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
-              "cpu-tiny-sd3-regional"),
+              "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-sd15-regional"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
@@ -192,3 +192,23 @@ def make_lora(pipe, folder: Path, seed: int, *, rank: int = 4, alpha: int = 8, t
     type(pipe).save_lora_weights(folder, **{f"{attribute}_lora_layers": layers,
                                             f"{attribute}_lora_adapter_metadata": metadata})
     return folder / "pytorch_lora_weights.safetensors"
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `path`'s file."""
+    inode = str(Path(path).stat().st_ino)
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) > 5 and fields[4] == inode:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def mapped_from(tensors, paths) -> bool:
+    """Whether every tensor's memory lies in a mapping of one of these files (read from them, not
+    copied or made anew)."""
+    ranges = [r for path in paths for r in file_mappings(path)]
+    return all(any(start <= t.data_ptr() < end for start, end in ranges) for t in tensors)

@@ -88,13 +88,13 @@ def test_cuda_graphs_need_a_cuda_device(built):
 
 @pytest.fixture(scope="module")
 def cuda_built(tmp_path_factory, tiny_target):
-    """The tiny SDXL for this GPU in bfloat16 with fused QKV, graphs on (built and graph-checked once)."""
+    """The tiny SDXL for this GPU in bfloat16 with fused QKV and TF32, graphs on (built and graph-checked once)."""
     from aotbuild.targets import GpuSpec
 
     capability = "{}.{}".format(*torch.cuda.get_device_capability())
     target = dataclasses.replace(tiny_target, name="cuda-tiny-sdxl", device="cuda", dtype="bfloat16",
                                  gpu=GpuSpec(torch.cuda.get_device_name(), capability), dynamic=None,
-                                 optimize={"fuse_qkv": True}, cuda_graphs=True)
+                                 optimize={"fuse_qkv": True, "tf32": True}, cuda_graphs=True)
     return build_once(tmp_path_factory, target), target
 
 
@@ -125,10 +125,76 @@ def test_graph_replay_equals_plain_runs_on_new_inputs(cuda_built):
     for _ in range(3):  # capture, then replays on fresh inputs: the static buffers really are refilled
         leaves = [(i["path"], torch.randn(i["shape"], device="cuda", generator=generator).to(getattr(torch, i["dtype"]))
                    if "shape" in i else None) for i in graph_model.inputs]
-        got, want = graph_model.run(leaves, torch.device("cuda")), plain_model.run(leaves, torch.device("cuda"))
+        got, want = graph_model.run(leaves), plain_model.run(leaves)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         outputs.append(got[0] if isinstance(got, (tuple, list)) else got)
     assert not torch.equal(outputs[0], outputs[1])
+
+
+@CUDA
+def test_tf32_is_on_only_inside_the_artifacts_calls(cuda_built, monkeypatch):
+    """Neither the build nor a load leaves TF32 set for the process (other models in it keep their
+    precision); each call of the artifact turns it on for itself and back."""
+    from aotbuild.runtime import load_pipeline
+    from aotbuild.runtime.variant import CompiledVariant
+
+    built, target = cuda_built
+    defaults = (False, True)  # torch's own: matmul off, cuDNN on
+    assert built.manifest["optimizations"]["passes"]["tf32"] == {"enabled": True}
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == defaults
+    pipe = load_pipeline(built.folder)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == defaults
+    inside = []
+    original = CompiledVariant._run_unlocked
+
+    def spy(self, leaves):
+        inside.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        return original(self, leaves)
+
+    monkeypatch.setattr(CompiledVariant, "_run_unlocked", spy)
+    generate(pipe, target.shapes[0])
+    assert inside and set(inside) == {(True, True)}
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == defaults
+
+
+@CUDA
+def test_concurrent_unet_and_vae_calls_share_the_graph_pool_safely(cuda_built):
+    """With graphs on, every component of a load captures into one pool: calls from several threads
+    (the UNet of one request, the VAE of another) take turns and give what they give alone."""
+    import threading
+
+    from aotbuild.runtime import load_pipeline
+
+    built, target = cuda_built
+    pipe = load_pipeline(built.folder)
+    assert pipe.unet._lock is pipe.vae.decoder._lock
+    generator = torch.Generator("cuda").manual_seed(0)
+    latents = torch.randn(1, 4, 32, 32, device="cuda", dtype=torch.bfloat16, generator=generator)  # 64 px
+    alone_image = generate(pipe, target.shapes[0])
+    alone_decode = pipe.vae.decode(latents).sample
+    results, errors = [], []
+
+    def work(kind: str) -> None:
+        try:
+            for _ in range(5):
+                if kind == "image":
+                    results.append(("image", generate(pipe, target.shapes[0])))
+                else:
+                    results.append(("decode", pipe.vae.decode(latents).sample))
+        except Exception as exc:  # reported below, with the thread's kind
+            errors.append(f"{kind}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(kind,)) for kind in ("image", "decode", "decode")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for kind, value in results:
+        if kind == "image":
+            np.testing.assert_array_equal(value, alone_image)
+        else:
+            torch.testing.assert_close(value, alone_decode, rtol=0, atol=0)
 
 
 @CUDA

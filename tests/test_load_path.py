@@ -21,6 +21,7 @@ import aotbuild
 from aotbuild.errors import AotbuildError, CorruptArtifactError, SourceError
 from aotbuild.manifest import read_manifest
 from aotbuild.runtime import CompiledVariant, check_artifact_files, extracted_package, load_components, load_weights
+from aotbuild.runtime.variant import LoadContext
 from aotbuild.targets import ShapeBucket
 
 from .conftest import eager_pipeline, generate
@@ -74,8 +75,8 @@ def test_only_the_constants_some_variant_binds_are_stored(built, built_int8):
             sha = artifact.manifest["files"][entry["package"]]["sha256"]
             bound = set()
             for variant in entry["variants"]:
-                bound |= set(CompiledVariant(artifact.folder / entry["package"], variant, torch.device("cpu"),
-                                             weights, sha, entry["constants"]["layouts"]).constant_fqns)
+                bound |= set(CompiledVariant(artifact.folder / entry["package"], variant, weights, sha,
+                                             entry["constants"]["layouts"], LoadContext("cpu")).constant_fqns)
             assert set(stored) == bound, name
             assert entry["constants"]["count"] == len(stored)
             assert entry["constants"]["bytes"] == sum(t.nbytes for t in stored.values())
@@ -101,8 +102,8 @@ def test_channels_last_weights_are_bound_with_the_compiled_strides(built_int8):
     sha = built_int8.manifest["files"][entry["package"]]["sha256"]
     with pytest.raises(CorruptArtifactError, match=r"constant 'conv_in.weight' has strides \[\d+, 9, 3, 1\]; "
                                                    r"the compiled code reads it with strides \[\d+, 1, \d+, \d+\]"):
-        CompiledVariant(built_int8.folder / entry["package"], entry["variants"][0], torch.device("cpu"), wrong, sha,
-                        layouts)
+        CompiledVariant(built_int8.folder / entry["package"], entry["variants"][0], wrong, sha, layouts,
+                        LoadContext("cpu"))
 
 
 @pytest.mark.parametrize(("key", "path"), [("files", "../outside.bin"), ("package", "/etc/passwd"),

@@ -2,10 +2,12 @@
 bind their weights without copies, and swap them into a diffusers pipeline.
 
 One module per concern: `cache` (extracted packages, verified weights, what is trusted),
-`weights` (layouts and binding checks), `variant` (one compiled model), `graphs` (CUDA graphs),
-`component` (the stand-in module), `regional` (a regional denoiser: diffusers' forward
-calling compiled blocks), `autoencoder` (the VAE's stand-in: diffusers' encode and decode
-over the compiled parts), `load` (the public entry points).
+`weights` (layouts, binding checks, borrowed views), `variant` (one compiled model, and what
+the models of one load share), `graphs` (CUDA graphs), `component` (the stand-in module),
+`guards` (what a stand-in refuses, and the diffusers pipeline methods that ask first),
+`regional` (a regional denoiser: diffusers' forward calling compiled blocks), `autoencoder` (the
+VAE's stand-in: diffusers' encode and decode over the compiled parts), `load` (the public entry
+points).
 
 Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,
 torchao or torch._dynamo: what this package imports decides cold start.

@@ -5,13 +5,17 @@ path gives what eager diffusers gives, and a missing part or tile model is named
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import AotbuildError
 from ..pipelines import vae_factor
-from .component import CompiledComponent, Config, MissingAttributeError
+from .checkpoint import module_tensors
+from .component import CompiledComponent, Config, MissingAttributeError, key_differences
+from .guards import StandIn
 
 # AutoencoderKL's methods run as they are on the stand-in: each calls `self.encoder(x)` /
 # `self.decoder(z)` per image, slice or tile, and those are the compiled parts.
@@ -21,9 +25,11 @@ BORROWED = ("encode", "_encode", "decode", "_decode", "tiled_decode", "_tiled_en
 PART_COMPONENTS = {"decoder": "vae_decoder", "encoder": "vae_encoder"}
 
 
-class CompiledAutoencoderBase(torch.nn.Module):
+class CompiledAutoencoderBase(StandIn):
     """Holds the compiled `decoder` and `encoder` parts (either may be absent) as diffusers'
-    AutoencoderKL holds its own, with its config and tile settings."""
+    AutoencoderKL holds its own, with its config and tile settings. Its parameters and state dict
+    are its parts' bound weights, named as AutoencoderKL names them (each part's export module
+    holds `decoder`/`post_quant_conv` or `encoder`/`quant_conv`)."""
 
     def __init__(self, config: dict[str, Any], parts: dict[str, CompiledComponent]) -> None:
         super().__init__()
@@ -70,8 +76,39 @@ class CompiledAutoencoderBase(torch.nn.Module):
         """The variant the decoder (else the encoder) ran last."""
         return self.parts.get("decoder", self._first).last_variant
 
-    def _apply(self, fn: Any, recurse: bool = True) -> CompiledAutoencoderBase:
-        return self  # as CompiledComponent: the compiled code runs where it was loaded
+    @property
+    def _also_dtypes(self) -> frozenset[torch.dtype]:
+        return self._first._also_dtypes
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for part in self.parts.values():
+            yield from part.named_parameters(prefix)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())
+
+    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        for part in self.parts.values():
+            destination = part.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """AutoencoderKL's `load_state_dict`: each part takes its tensors (see
+        `CompiledComponent.load_state_dict`); the tensors of a part the artifact does not compile
+        are checked by name only, as that part cannot run. Nothing changes when anything is wrong."""
+        from .lora import meta_model
+
+        eager = module_tensors(meta_model(self.config, torch.float32))
+        with self._first._lock:
+            missing, unexpected = key_differences("vae", state_dict, eager, strict)
+            planned = [(part, part._planned_writes(state_dict)) for part in self.parts.values()]
+            for part, writes in planned:
+                part._write(writes, state_dict)
+        return _IncompatibleKeys(missing, unexpected)
 
     def enable_slicing(self) -> None:
         self.use_slicing = True

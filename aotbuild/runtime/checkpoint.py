@@ -19,7 +19,7 @@ import torch
 
 from ..errors import AotbuildError, WeightsMismatchError
 from ..optimize import FUSED_PROJECTIONS
-from .weights import same_layout
+from .weights import dtype_name, same_layout
 
 QUANTIZED = ".parametrizations.weight.original"  # torchao's unwrapped subclass: original0 data, original1 scale
 
@@ -143,12 +143,62 @@ def conform(component: str, fqn: str, got: torch.Tensor, want: torch.Tensor, dev
     by pointer), else converted once."""
     if list(got.shape) != list(want.shape) or got.is_floating_point() != want.is_floating_point():
         raise WeightsMismatchError(
-            f"{component}: tensor {fqn!r} is {list(got.shape)} {_name(got.dtype)} in the weights; the compiled code "
-            f"reads {list(want.shape)} {_name(want.dtype)}: another architecture than the artifact's")
+            f"{component}: tensor {fqn!r} is {list(got.shape)} {dtype_name(got.dtype)} in the weights; the compiled "
+            f"code reads {list(want.shape)} {dtype_name(want.dtype)}: another architecture than the artifact's")
     if same_layout(got, want, device):
         return got
     return torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=device).copy_(got)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def placed_writes(component: str, given: dict[str, torch.Tensor], eager: dict[str, torch.Tensor],
+                  constants: dict[str, torch.Tensor], dtype: torch.dtype,
+                  recipe: str | None) -> list[tuple[str, slice, torch.Tensor]]:
+    """Where tensors of the eager module (`given`, any subset, named as the module names them;
+    `eager`: every tensor of the module, for shapes) go in the compiled code's constants: one
+    (constant, rows, values) per write, the values already in the constant's dtype (a fused
+    projection's rows, an int8 weight's rows and scales made again with the recorded scheme).
+    Nothing is written here: a caller checks every tensor before it changes any.
+
+    Raises:
+        WeightsMismatchError: a tensor of another shape than the module's, or one the compiled
+            code has no constant for.
+    """
+    writes = []
+    for name, tensor in given.items():
+        if list(tensor.shape) != list(eager[name].shape):
+            raise WeightsMismatchError(f"{component}: tensor {name!r} is {list(tensor.shape)}; the model's is "
+                                       f"{list(eager[name].shape)}")
+        fqn, rows = _placement(name, eager, constants)
+        if fqn is None:
+            raise WeightsMismatchError(f"{component}: the compiled code reads no constant made from {name!r}")
+        if QUANTIZED in fqn:
+            data, scale = quant_scheme(recipe, component).quantize(tensor.detach().to(constants[fqn].device, dtype))
+            writes += [(fqn, rows, data), (fqn[:-1] + "1", rows, scale)]
+        else:
+            want = constants[fqn][rows]
+            if tensor.is_floating_point() != want.is_floating_point():
+                raise WeightsMismatchError(f"{component}: tensor {name!r} is {dtype_name(tensor.dtype)}; the compiled "
+                                           f"code reads {dtype_name(want.dtype)}")
+            writes.append((fqn, rows, tensor.detach().to(want.device, want.dtype).reshape(want.shape)))
+    return writes
+
+
+def _placement(name: str, eager: dict[str, torch.Tensor],
+               constants: dict[str, torch.Tensor]) -> tuple[str | None, slice]:
+    """(the constant holding the eager tensor `name`, its rows there): itself, the int8 data of its
+    weight, or its rows of a fused projection (after the members before it)."""
+    layer, _, kind = name.rpartition(".")
+    quantized = f"{layer}{QUANTIZED}0"
+    for fqn in (name, quantized if kind == "weight" else None):
+        if fqn in constants:
+            return fqn, slice(None)
+    path, _, member = layer.rpartition(".")
+    for fused, members in FUSED_PROJECTIONS.items():
+        if member not in members:
+            continue
+        start = sum(eager[child(path, m, kind)].shape[0] for m in members[:members.index(member)])
+        rows = slice(start, start + eager[name].shape[0])
+        for fqn in (child(path, fused, kind), child(path, fused) + f"{QUANTIZED}0" if kind == "weight" else None):
+            if fqn in constants:
+                return fqn, rows
+    return None, slice(None)

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
+import inspect
 import sys
-import threading
 import warnings
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils import _pytree as pytree
 
-from ..errors import AotbuildError, ShapeNotSupportedError
+from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
 from ..pipelines import pipeline_spec
+from .checkpoint import module_tensors, placed_writes
+from .guards import StandIn, check_autocast
 from .lora import pop_scale
-from .variant import CompiledVariant, leaf_name
-from .weights import same_layout
+from .variant import CompiledVariant, LoadContext, leaf_name
+from .weights import dtype_name, same_layout
 
 
 class Config(dict):
@@ -31,31 +36,41 @@ class Config(dict):
             raise AttributeError(name) from None
 
 
-class CompiledComponent(torch.nn.Module):
+class CompiledComponent(StandIn):
     """Stands in for a pipeline module: keeps its `config`, `dtype`, `device` and the attributes the
     pipeline reads, and routes calls to the compiled variant matching the input shapes.
 
-    Its weights are data: `rebind` binds other tensors for some constants, and a denoiser takes
-    diffusers' LoRA API (`lora.lora_component_class`). One lock, shared with its variants, orders
-    calls and weight switches: a switch waits for a running call and the next call sees all of it.
+    Every entry point a diffusers user reaches either does what it does on the eager module or
+    refuses (`guards`): its parameters are the bound weights (edits in place reach the next call),
+    `load_state_dict` writes into them through the recorded passes, `.to()` can only confirm the
+    dtype and device it runs, and calls are taken as the eager forward takes them (arguments left
+    out are its defaults). A denoiser takes diffusers' LoRA API (`lora.lora_component_class`). The
+    load's lock orders calls and weight switches: a switch waits for a running call and the next
+    call sees all of it.
     """
 
     def __init__(self, name: str, entry: dict[str, Any], variants: list[CompiledVariant],
-                 weights: dict[str, torch.Tensor], device: torch.device,
-                 eager: torch.nn.Module | None = None, lock: threading.RLock | None = None) -> None:
+                 weights: dict[str, torch.Tensor], context: LoadContext, eager: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.component_name = name
         self.config = Config(entry["config"])
         self.variants = variants
         self._weights = weights  # the base weights, bound by pointer: must live as long as the models
-        self._lock = lock or threading.RLock()
+        self._lock = context.lock
         self._lora = None  # lora.LoraState, made by the first LoRA call
         self._leaf_paths = {leaf["path"] for v in variants for leaf in v.inputs}
         self._dtype = DTYPES[entry["dtype"]]
+        # A VAE compiled in float32 inside a half-precision artifact: diffusers upcasts it itself.
+        upcast = entry["dtype"] == "float32" and entry.get("config", {}).get("force_upcast")
+        self._also_dtypes = frozenset({DTYPES[entry["target_dtype"]]} if upcast and "target_dtype" in entry else ())
         self._recipe = entry.get("quantize")  # the quant recipe of its weights, if any
-        self._device = device
+        self._device = context.device
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
+        self._parameters_out: dict[str, torch.nn.Parameter] = {}  # handed out by named_parameters()
+        self._weights_seen = False  # parameters() or state_dict() gave the bound tensors out
+        self._replaced: str | None = None  # a bound tensor the eager fallback does not have
+        self._signature: Any = None
         self.last_variant: str | None = None
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
@@ -70,21 +85,124 @@ class CompiledComponent(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self._dtype
 
-    def _apply(self, fn: Any, recurse: bool = True) -> CompiledComponent:
-        """`.to()` / `.half()` move nothing: the compiled code runs where it was loaded, on the
-        weights bound there (and the LoRA shell's weights are meta)."""
-        return self
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
         """The base constants by FQN (the artifact's, or another checkpoint's), as bound at load."""
         return self._weights
 
-    def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
+    # -- parameters and state dicts: the bound weights ----------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The bound weights, named as the compiled code binds them (a fused projection's
+        `to_qkv`, an int8 weight's data and scale): in-place edits reach the next call, and a
+        parameter whose `.data` is replaced is bound anew before it. Buffers are among them."""
+        for fqn in list(self._weights):
+            yield (f"{prefix}.{fqn}" if prefix else fqn), self._parameter(fqn)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())  # every bound tensor is listed as a parameter
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        if target not in self._weights:
+            raise AttributeError(f"{self.component_name} has no parameter {target!r} (its parameters are named as "
+                                 f"the compiled code binds them)")
+        return self._parameter(target)
+
+    def _parameter(self, fqn: str) -> torch.nn.Parameter:
+        self._weights_seen = True
+        param = self._parameters_out.get(fqn)
+        if param is None:
+            param = self._parameters_out[fqn] = torch.nn.Parameter(self._weights[fqn], requires_grad=False)
+        return param
+
+    def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """The bound weights by the compiled code's names (sharing their memory, as an eager
+        module's state dict does)."""
+        self._weights_seen = True
+        destination = collections.OrderedDict() if destination is None else destination
+        for fqn, tensor in self._weights.items():
+            destination[prefix + fqn] = self._parameter(fqn) if keep_vars else tensor.detach()
+        return destination
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """The eager module's `load_state_dict`: tensors named as the eager module names them (any
+        subset with `strict=False`) are written into the bound weights through the recorded passes
+        (dtype, fused QKV rows, layout, int8 with the recorded scheme), in place: the next call
+        computes what the eager module would with them. Nothing changes when anything is wrong.
+
+        Raises:
+            WeightsMismatchError: keys missing or unexpected (strict), a tensor of another shape,
+                or one the compiled code has no place for.
+        """
+        eager = self.eager_tensors()
+        with self._lock:
+            missing, unexpected = key_differences(self.component_name, state_dict, eager, strict)
+            self._write(self._planned_writes(state_dict, eager), state_dict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def eager_tensors(self) -> dict[str, torch.Tensor]:
+        """The eager module's parameters and buffers by name, on the meta device (shapes only)."""
+        from .lora import meta_model
+
+        return module_tensors(self._spec.export_module(meta_model(self.config, torch.float32)))
+
+    def _planned_writes(self, state_dict: Mapping[str, torch.Tensor],
+                        eager: dict[str, torch.Tensor] | None = None) -> list[tuple[str, slice, torch.Tensor]]:
+        """Where the state dict's tensors go in the bound weights (`checkpoint.placed_writes`)."""
+        eager = self.eager_tensors() if eager is None else eager
+        given = {name: tensor for name, tensor in state_dict.items() if name in eager}
+        return placed_writes(self.component_name, given, eager, self._weights, self._dtype, self._recipe)
+
+    def _write(self, writes: list[tuple[str, slice, torch.Tensor]], state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Write planned values into the bound weights (the caller holds the lock); the LoRA merges
+        are made again from them before the next call, and the eager fallback gets them too."""
+        with torch.no_grad():
+            for fqn, rows, values in writes:
+                self._weights[fqn][rows].copy_(values)
+        if writes and self._lora is not None:
+            self._lora.rebase()
+        if self._eager:
+            eager = self._spec.export_module(self._eager[0])
+            names = {name for name, _ in [*eager.named_parameters(), *eager.named_buffers()]}
+            eager.load_state_dict({k: v for k, v in state_dict.items() if k in names}, strict=False)
+
+    def _follow_parameters(self) -> None:
+        """A parameter handed out whose `.data` was replaced since (`p.data = new`): bind the new
+        tensor, as the eager module would then read it; refused when the compiled code cannot read
+        it as it is."""
+        for fqn, param in self._parameters_out.items():
+            base = self._weights[fqn]
+            if param.data_ptr() == base.data_ptr() and param.stride() == base.stride() and param.shape == base.shape \
+                    and param.dtype == base.dtype:
+                continue
+            if not same_layout(param.data, base, base.device):
+                raise UnsupportedCallError(
+                    f"{self.component_name}: parameter {fqn!r} was replaced by a {list(param.shape)} "
+                    f"{dtype_name(param.dtype)} tensor with strides {list(param.stride())} on {param.device}; the "
+                    f"compiled code reads {list(base.shape)} {dtype_name(base.dtype)} with strides "
+                    f"{list(base.stride())} on {base.device}",
+                    hint="write new values into the parameter in place (with torch.no_grad(): p.copy_(new)), or "
+                         "use load_state_dict()")
+            self._weights[fqn] = param.data
+            self._rebind({fqn: param.data})
+            self._replaced = fqn
+            if self._lora is not None:
+                self._lora.rebase()
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _rebind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Bind `tensors` (by FQN, each like the base constant it replaces: shape, dtype, strides,
         device) for the next call, in every variant at once, by pointer: writing into a bound
-        tensor later changes the next call too. torch 2.13 keeps a reference to every tensor ever
-        bound (pytorch#194480): bind few distinct tensors and write new values into them."""
+        tensor later changes the next call too."""
         for fqn, tensor in tensors.items():
             base = self._weights.get(fqn)
             if base is None or not same_layout(tensor, base, base.device):
@@ -102,7 +220,7 @@ class CompiledComponent(torch.nn.Module):
         from .lora import LoraState
 
         if self._lora is None:
-            self._lora = LoraState(self.config, self._dtype, self._device, self._weights, self.rebind,
+            self._lora = LoraState(self.config, self._dtype, self._device, self._weights, self._rebind,
                                    self._recipe)
             self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
         return self._lora
@@ -111,12 +229,13 @@ class CompiledComponent(torch.nn.Module):
         """diffusers' CacheMixin hook (Flux enters it around each call); nothing to cache here."""
         return contextlib.nullcontext()
 
-    @property
-    def device(self) -> torch.device:
-        return self._device
+    # -- calls --------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_autocast(self.component_name, self._device, self._dtype)
         with self._lock:
+            if self._parameters_out:
+                self._follow_parameters()
             return self._forward(args, kwargs)
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
@@ -124,12 +243,12 @@ class CompiledComponent(torch.nn.Module):
         lora_scale = pop_scale(kwargs, self._leaf_paths)  # without adapters it scales nothing, as in diffusers
         if self._lora is not None:
             self._lora.sync(lora_scale)
-        call_args, call_kwargs = self._spec.call_inputs(args, kwargs)
+        call_args, call_kwargs = self._spec.call_inputs(*self._as_traced(args, kwargs))
         for variant in self.variants:
             leaves = variant.flatten(call_args, call_kwargs)
             if leaves is not None and variant.accepts(leaves):
                 self.last_variant = variant.name
-                outputs = variant.run(leaves, self._device)
+                outputs = variant.run(leaves)
                 break
         else:
             message = unsupported_call(self.component_name, self.variants, call_args, call_kwargs)
@@ -138,6 +257,9 @@ class CompiledComponent(torch.nn.Module):
             if self._lora is not None and self._lora.active:
                 raise ShapeNotSupportedError(f"{message}; the eager fallback runs without the LoRA adapters loaded "
                                              f"into the compiled model")
+            if reason := self._fallback_differs():
+                raise ShapeNotSupportedError(f"{message}; the eager fallback cannot run this {self.component_name}'s "
+                                             f"weights: {reason}")
             warnings.warn(f"aotbuild: {message}; running eager", stacklevel=2)
             self.last_variant = "eager"
             with torch.no_grad():
@@ -150,8 +272,86 @@ class CompiledComponent(torch.nn.Module):
         module_name, class_name = self._spec.output_class.rsplit(".", 1)
         return getattr(importlib.import_module(module_name), class_name)(sample=outputs[0])
 
+    def _fallback_differs(self) -> str | None:
+        """Why the eager module kept for the fallback would not compute with the bound weights."""
+        if self._replaced is not None:
+            return f"parameter {self._replaced!r} was replaced, and the eager module keeps the tensor it had"
+        if self._weights_seen:
+            eager = {t.data_ptr() for t in module_tensors(self._spec.export_module(self._eager[0])).values()}
+            if not all(t.data_ptr() in eager for t in self._weights.values()):
+                return ("its parameters were handed out (parameters(), state_dict()) and may have been edited in "
+                        "place, and the eager module holds its own copy of them")
+        return None
+
+    def _as_traced(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call as the compiled code was traced: each argument the traced call passed by
+        position or by name, where this call passes it either way; the ones it leaves out taken at
+        the eager forward's defaults; an empty dict and None alike where diffusers passes either
+        for "no attention kwargs". Arguments the traced call did not have stay, for the refusal
+        to name them."""
+        signature = self._forward_signature()
+        if signature is None:
+            return args, kwargs
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:  # what the eager forward says of the same call
+            raise TypeError(f"{self.component_name}.forward(): {exc}") from None
+        bound.apply_defaults()
+        values = bound.arguments
+        traced = self.variants[0].in_spec
+        names = list(signature.parameters)
+        positional = names[:traced.child(0).num_children]
+        call_kwargs = {name: _empty_as_traced(values[name], traced.child(1).child(i))
+                       for i, name in enumerate(traced.child(1).context) if name != "return_dict"}
+        for name in names[len(positional):]:
+            if name not in call_kwargs and name != "return_dict" and values[name] is not None \
+                    and values[name] is not signature.parameters[name].default:
+                call_kwargs[name] = values[name]
+        return tuple(values[name] for name in positional), call_kwargs
+
+    def _forward_signature(self) -> inspect.Signature | None:
+        """The eager forward's signature without `self` (a denoiser's; None for a VAE part, whose
+        diffusers code calls it with one tensor, or a forward taking *args or **kwargs)."""
+        if self._signature is None:
+            self._signature = False
+            if self._spec.output_class is not None:
+                import diffusers
+
+                cls = getattr(diffusers, self.config.get("_class_name", ""), None)
+                if cls is not None:
+                    parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+                    if all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in parameters):
+                        self._signature = inspect.Signature(parameters)
+        return self._signature or None
+
     def extra_repr(self) -> str:
         return f"{self.component_name}, variants={[v.name for v in self.variants]}"
+
+
+def _empty_as_traced(value: Any, traced: Any) -> Any:
+    """None where the traced call passed None, {} where it passed an empty dict, for either."""
+    if value is None and traced.type is dict and traced.num_children == 0:
+        return {}
+    if isinstance(value, dict) and not value and traced.is_leaf():
+        return None
+    return value
+
+
+def key_differences(component: str, state_dict: Mapping[str, torch.Tensor], eager: dict[str, torch.Tensor],
+                     strict: bool) -> tuple[list[str], list[str]]:
+    """(missing keys, unexpected keys) of a state dict against the eager module's names; with
+    `strict`, either is a WeightsMismatchError naming them, as the eager module would refuse."""
+    missing = sorted(set(eager) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(eager))
+    if strict and (missing or unexpected):
+        def listed(keys: list[str]) -> str:
+            return ", ".join(map(repr, keys[:3])) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+        problems = ([f"missing keys {listed(missing)}"] if missing else []) + (
+            [f"unexpected keys {listed(unexpected)}"] if unexpected else [])
+        raise WeightsMismatchError(f"{component}.load_state_dict(strict=True): {'; '.join(problems)}; nothing was "
+                                   f"loaded")
+    return missing, unexpected
 
 
 class MissingAttributeError(AotbuildError, AttributeError):
@@ -187,6 +387,21 @@ def variant_coverage(entry: dict[str, Any]) -> str:
                 f"{_images(*d['batch'])}{suffix}")
     b = entry["bucket"]
     return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{suffix}"
+
+
+def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, guided: bool) -> bool:
+    """Whether a denoiser variant serves a pipeline call of `images` at height x width pixels,
+    with guidance or without: what `variant_coverage` says, as a test."""
+    guidance = entry.get("guidance")
+    if entry.get("tile") or (guidance is not None and ("guided" if guided else "unguided") not in guidance):
+        return False
+    if "dynamic" in entry:
+        d = entry["dynamic"]
+        return d["batch"][0] <= images <= d["batch"][1] and all(
+            d[axis][0] <= size <= d[axis][1] and size % d["stride"] == 0
+            for axis, size in (("height", height), ("width", width)))
+    b = entry["bucket"]
+    return (b["height"], b["width"]) == (height, width) and 1 <= images <= b["batch"]
 
 
 # Inputs a diffusers feature adds to a call, named as the user asks for that feature.

@@ -17,34 +17,61 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError, SourceError
-from ..manifest import DTYPES, check_compatible, read_manifest, sha256_file
+from ..hub import check_trusted
+from ..manifest import DTYPES, check_compatible, check_libraries, read_manifest, sha256_file
 from ..pipelines import pipeline_spec
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
-from .cache import check_artifact_files
+from .cache import open_artifact_files
 from .checkpoint import checkpoint_constants, module_tensors
 from .component import CompiledComponent, Config
 from .graphs import GraphPool
+from .guards import install_pipeline_guards
 from .lora import lora_component_class
 from .regional import RegionalComponent, component_variants
+from .variant import LoadContext
 from .weights import load_weights
+
+# Threads inside `quiet_libraries()`, with their nesting depth: their log records below ERROR are dropped.
+_QUIET_THREADS: dict[int, int] = {}
+
+
+def _drop_quiet_threads_records() -> None:
+    """Make `logging.Logger.handle` drop records below ERROR from threads in `_QUIET_THREADS` (once
+    per process; records of every other thread pass as before). Every record passes through the
+    `handle` of the logger that made it, whatever its handlers, including loggers and handlers
+    that libraries create while they are imported."""
+    original = logging.Logger.handle
+    if getattr(original, "drops_quiet_threads", False):
+        return
+
+    def handle(self: logging.Logger, record: logging.LogRecord) -> None:
+        if record.levelno < logging.ERROR and record.thread in _QUIET_THREADS:
+            return
+        original(self, record)
+
+    handle.drops_quiet_threads = True
+    logging.Logger.handle = handle
 
 
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
-    """Within the block, log records below ERROR are dropped: a load prints nothing the user did
-    not ask for. diffusers, transformers and torchao log warnings about this machine's optional
-    packages when their modules are first imported (torchvision missing, torchao's CUDA kernels
-    on a CPU build), and diffusers and transformers reset their loggers' levels as they do, so
-    the switch is logging's global one (`logging.disable`), restored after. aotbuild's own
-    warnings (`warnings.warn`) and errors still reach the user."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    """Within the block, log records below ERROR made by this thread are dropped: a load prints
+    nothing the user did not ask for. diffusers, transformers and torchao log warnings about this
+    machine's optional packages when their modules are first imported (torchvision missing,
+    torchao's CUDA kernels on a CPU build), and diffusers and transformers reset their loggers'
+    levels as they do, so no logger's level can say it. Other threads' records still pass, and
+    aotbuild's own warnings (`warnings.warn`) and errors still reach the user."""
+    _drop_quiet_threads_records()
+    thread = threading.get_ident()
+    _QUIET_THREADS[thread] = _QUIET_THREADS.get(thread, 0) + 1
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")  # torch's own pytree specs
             yield
     finally:
-        logging.disable(previous)
+        _QUIET_THREADS[thread] -= 1
+        if not _QUIET_THREADS[thread]:
+            del _QUIET_THREADS[thread]
 
 
 def _quietly(function: Callable) -> Callable:
@@ -106,48 +133,49 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     manifest = read_manifest(folder)
     device = torch.device(device or manifest["environment"]["device_type"])
     check_compatible(manifest, device=device, dtype=dtype)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    hashed = check_artifact_files(folder, manifest) if verify else {}
-    if manifest["optimizations"]["passes"].get("tf32", {}).get("enabled") and device.type == "cuda":
-        # The artifact was validated with TF32 matmuls; cuBLAS calls inside it read these flags.
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    check_libraries(manifest)
     if cuda_graphs is None:
         cuda_graphs = manifest["runtime"].get("cuda_graphs", False)
     if cuda_graphs and device.type != "cuda":
         raise AotbuildError(f"CUDA graphs need a CUDA device; this artifact runs on {device.type}",
                             hint="load it with cuda_graphs=False")
+    # The artifact was validated with TF32 matmuls: its calls turn them on, for their duration only.
+    tf32 = bool(manifest["optimizations"]["passes"].get("tf32", {}).get("enabled")) and device.type == "cuda"
+    context = LoadContext(device, tf32=tf32)
+    if cuda_graphs:
+        context.graph_pool = GraphPool(context.device)
+    install_pipeline_guards()
     modules: dict[str, Any] = {}
     parts: dict[str, tuple[dict, dict[str, CompiledComponent]]] = {}
-    pool = GraphPool(device) if cuda_graphs else None
     spec = pipeline_spec(manifest["target"]["pipeline"])
     recipe = manifest["target"]["optimize"].get("quantize")
-    for name, entry in manifest["components"].items():
-        _import_custom_ops(entry.get("custom_ops", []))
-        layouts = entry["constants"].get("layouts", {})
-        source = (weights or {}).get(name)
-        if source is None:
-            tensors = load_weights(folder / entry["weights"], device, layouts)
-        else:  # the artifact's file gives the layouts only: mapped, never read
-            tensors = checkpoint_constants(
-                name, module_tensors(spec.component(name).export_module(source)),
-                load_weights(folder / entry["weights"], torch.device("cpu"), layouts, read_ahead=False),
-                DTYPES[entry["dtype"]], recipe, device)
-        package = folder / entry["package"]
-        sha256 = hashed.get(entry["package"]) or sha256_file(package)  # the cache is keyed by checked hashes
-        lock = threading.RLock()
-        variants, regional = component_variants(package, entry, device, tensors, sha256, layouts, pool, lock)
-        base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
-        cls = lora_component_class(base) if spec.component(name).denoiser else base
-        described = {**entry, "pipeline": manifest["target"]["pipeline"], "quantize": recipe}
-        component = cls(name, described, variants, tensors, device, eager=(eager or {}).get(name), lock=lock,
-                        **extra)
-        part = spec.component(name).part
-        if part is None:
-            modules[entry["attribute"]] = component
-        else:  # the VAE's parts share one stand-in, made once all are loaded
-            parts.setdefault(entry["attribute"], (entry["config"], {}))[1][part] = component
+    with open_artifact_files(folder, manifest, verify=verify) as files:
+        for name, entry in manifest["components"].items():
+            _import_custom_ops(entry.get("custom_ops", []))
+            layouts = entry["constants"].get("layouts", {})
+            source = (weights or {}).get(name)
+            # The weights as the check opened them: the folder may be replaced meanwhile.
+            stored = files.path(entry["weights"])
+            if source is None:
+                tensors = load_weights(stored, context.device, layouts)
+            else:  # the artifact's file gives the layouts only: mapped, never read
+                tensors = checkpoint_constants(
+                    name, module_tensors(spec.component(name).export_module(source)),
+                    load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
+                    DTYPES[entry["dtype"]], recipe, context.device)
+            package = folder / entry["package"]  # extracted only from bytes of the checked hash
+            sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
+            variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
+            base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
+            cls = lora_component_class(base) if spec.component(name).denoiser else base
+            described = {**entry, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,
+                         "target_dtype": manifest["target"]["dtype"]}
+            component = cls(name, described, variants, tensors, context, eager=(eager or {}).get(name), **extra)
+            part = spec.component(name).part
+            if part is None:
+                modules[entry["attribute"]] = component
+            else:  # the VAE's parts share one stand-in, made once all are loaded
+                parts.setdefault(entry["attribute"], (entry["config"], {}))[1][part] = component
     for attribute, (config, found) in parts.items():
         modules[attribute] = autoencoder_class()(config, found)
     _serve_default_size(manifest, modules)
@@ -165,10 +193,13 @@ def _served_default(manifest: dict[str, Any]) -> tuple[int, int] | None:
 def _serve_default_size(manifest: dict[str, Any], modules: dict[str, Any]) -> None:
     """When no variant covers the size a pipeline makes by default, the compiled denoiser reports
     the size the build chose instead as its `sample_size`, which the pipelines read for their
-    default."""
+    default; a warning says so once per load, naming both sizes."""
     if (sizes := _served_default(manifest)) is None:
         return
     served, native = sizes
+    warnings.warn(f"aotbuild: this artifact does not cover {manifest['target']['pipeline']}'s own default size, "
+                  f"{native}x{native} px; a call that gives no height and width makes {served}x{served} px (the "
+                  f"artifact's first square bucket) instead", stacklevel=2)
     for module in modules.values():
         if isinstance(module, CompiledComponent) and "sample_size" in module.config:
             factor = native // module.config["sample_size"] if module.config["sample_size"] else 0
@@ -186,14 +217,16 @@ def _default_size_of(pipe: Any, manifest: dict[str, Any]) -> None:
 
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
-                    pipeline: str | None = None, verify: bool = False) -> tuple[Path, Any]:
+                    pipeline: str | None = None, verify: bool = False, variant: str | None = None,
+                    ) -> tuple[Path, Any]:
     """(local folder, `hub.Resolved` or None for a local folder). `hf://org/name[@revision]` is
-    resolved to the variant fitting this machine (and `pipeline`) in the HF cache, downloading only
-    that variant; `verify` hashes its every file (loading checks them its own way)."""
+    resolved to one commit, then to the variant fitting this machine (and `pipeline`, and
+    `variant`: a target name or a variant path) in the HF cache, downloading only that variant;
+    `verify` hashes its every file (loading checks them its own way)."""
     if isinstance(artifact, str) and artifact.startswith("hf://"):
         from ..hub import resolve
 
-        resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify)
+        resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify, variant=variant)
         return resolved.folder, resolved
     return Path(artifact), None
 
@@ -203,10 +236,11 @@ WEIGHTS_CHOICES = ("pipeline", "artifact")
 
 @_quietly
 def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", eager_fallback: bool = False,
-          cuda_graphs: bool | None = None) -> Any:
+          cuda_graphs: bool | None = None, trust_remote_code: bool = False, variant: str | None = None) -> Any:
     """Swap an artifact's compiled components into a pipeline the user already has.
 
     Args:
+        artifact: a folder or `hf://org/name[@revision]`.
         weights: "pipeline" (default) runs the pipeline's own weights: the artifact's recorded
             passes (dtype, fused QKV, layout, quantization) are applied to them and they are
             bound, so a fine-tuned checkpoint or a fused LoRA gives the images eager gives.
@@ -214,6 +248,7 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
         eager_fallback: keep the original modules to run shapes no variant covers (with a
             warning); otherwise the pipeline drops them.
         cuda_graphs: as in `load_components`.
+        trust_remote_code, variant: as in `load_pipeline`.
 
     Returns:
         The same pipeline, modified in place.
@@ -226,9 +261,10 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
     if weights not in WEIGHTS_CHOICES:
         raise AotbuildError(f"weights={weights!r}; choose from {', '.join(map(repr, WEIGHTS_CHOICES))}",
                             hint="another checkpoint: aotbuild.load_pipeline(artifact, weights=SOURCE)")
+    check_trusted(artifact, trust_remote_code)
     device = next((m.device for m in pipe.components.values() if isinstance(m, torch.nn.Module)), None)
     artifact, _ = artifact_folder(artifact, device=device.type if device is not None else None,
-                                  pipeline=type(pipe).__name__)
+                                  pipeline=type(pipe).__name__, variant=variant)
     manifest = read_manifest(artifact)
     if type(pipe).__name__ != manifest["target"]["pipeline"]:
         raise AotbuildError(f"artifact is for {manifest['target']['pipeline']}, not {type(pipe).__name__}")
@@ -272,11 +308,12 @@ def _check_lora_fused(attribute: str, module: torch.nn.Module) -> None:
 @_quietly
 def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
                   cuda_graphs: bool | None = None, source: str | os.PathLike | None = None,
-                  weights: str | os.PathLike | None = None) -> Any:
+                  weights: str | os.PathLike | None = None, trust_remote_code: bool = False,
+                  variant: str | None = None) -> Any:
     """Build the artifact's pipeline with its compiled components plugged in.
 
     Args:
-        artifact: a folder or `hf://org/name[@revision]`.
+        artifact: a folder or `hf://org/name[@revision]` (the revision is resolved to one commit).
         device, dtype, cuda_graphs: as in `load_components`.
         source: where the components that were not compiled come from, instead of the source the
             artifact records: a local diffusers folder or a Hub id (`org/name[@revision]`).
@@ -285,18 +322,24 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
             Hub id `org/name[@revision]`): the compiled components run its weights (the recorded
             passes applied at load) and, unless `source` says otherwise, the other components
             come from it too.
+        trust_remote_code: load the native code of an `hf://` artifact (required for one: it runs
+            in this process); local folders are trusted.
+        variant: in a Hub repo holding several targets that fit this machine, which one (a target
+            name, or a `target/variant` path).
 
     Without `weights`, the original weights of compiled components are never loaded (nor
     downloaded); the other components come from the source (the Hub at the pinned revision, a
     local folder, or the artifact's own config set with seeded random weights).
 
     Raises:
-        IncompatibleArtifactError, CorruptArtifactError, SourceError.
+        IncompatibleArtifactError, CorruptArtifactError, SourceError, UntrustedCodeError,
+        NoMatchingVariantError.
     """
     from ..sources import assemble_pipeline, component_classes
     from ..sources import load_components as load_source_components
 
-    folder, _ = artifact_folder(artifact, device=device, dtype=dtype)
+    check_trusted(artifact, trust_remote_code)
+    folder, _ = artifact_folder(artifact, device=device, dtype=dtype, variant=variant)
     manifest = read_manifest(folder)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])
@@ -353,4 +396,6 @@ def _source_folder(manifest: dict[str, Any], artifact: Path, source: str | os.Pa
         raise SourceError(f"this artifact was built from a local folder ({name!r}), which it does not include: "
                           f"its other components need that folder",
                           hint=f"aotbuild.load_pipeline(artifact, source='/path/to/{name}')")
-    return resolve_folder(recorded["id"], recorded.get("revision"), artifact, skip, dtype=dtype), None
+    # The commit the build read, not what its branch names today.
+    revision = recorded.get("commit") or recorded.get("revision")
+    return resolve_folder(recorded["id"], revision, artifact, skip, dtype=dtype), None

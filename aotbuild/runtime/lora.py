@@ -25,6 +25,7 @@ import torch
 from ..errors import AotbuildError
 from ..optimize import FUSED_PROJECTIONS
 from .checkpoint import QUANTIZED, SCHEMES, child
+from .guards import accept_compiled_class, model_mixin_refusals
 
 # The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
 SCALE_KWARGS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
@@ -202,6 +203,17 @@ class LoraState:
     def active(self) -> bool:
         return any(self._adapters(layer, 1.0) for _, layer in self._layers)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether any adapter is loaded (active or not)."""
+        return bool(getattr(self.shell, "peft_config", {}))
+
+    def rebase(self, rebound: set[str] = frozenset()) -> None:
+        """The base weights changed (written in place, or `rebound` constants now bound to new
+        base tensors): the merges are made again from them before the next call."""
+        self._merged -= rebound
+        self._bound_state = None
+
     def sync(self, call_scale: float) -> None:
         """Bind the weights the LoRA state asks for, if it changed since the last call (the caller
         holds the component's lock: no call runs meanwhile)."""
@@ -227,6 +239,11 @@ class LoraState:
         # Buffers bound before were written in place: only new pointers are bound (a captured CUDA
         # graph is captured again only then).
         self._rebind({fqn: tensor for fqn, tensor in bind.items() if fqn not in self._merged or fqn not in merged})
+        if not self.loaded:  # no adapter left to switch back to: their merge buffers go
+            for fqn in self._merged - merged:
+                self._buffers.pop(fqn, None)
+                if fqn.endswith(f"{QUANTIZED}0"):
+                    self._buffers.pop(fqn[:-1] + "1", None)
         self._merged = merged
         self._bound_state = state
 
@@ -308,8 +325,11 @@ def lora_component_class(base: type) -> type:
     def on_shell(name: str) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             with self._lock:
-                result = getattr(self._lora_state().shell, name)(*args, **kwargs)
-                self._lora_state().refresh()
+                state = self._lora_state()
+                result = getattr(state.shell, name)(*args, **kwargs)
+                state.refresh()
+                if not state.loaded:  # the base weights bound again now, the merge buffers freed
+                    state.sync(1.0)
             return result
 
         method.__name__ = name
@@ -335,32 +355,11 @@ def lora_component_class(base: type) -> type:
             raise AttributeError("peft_config")
         return self._lora.shell.peft_config
 
-    methods = {name: on_shell(name) for name in SHELL_METHODS}
+    # ModelMixin's own methods the compiled model cannot honour refuse (`guards`); the rest
+    # (device, dtype, num_parameters, get_memory_footprint, the disable_* ones) hold as they are.
+    methods = {name: on_shell(name) for name in SHELL_METHODS} | model_mixin_refusals()
     methods.update(load_lora_adapter=load_lora_adapter, update_weights=update_weights,
                    peft_config=property(peft_config))
     cls = type(base.__name__, (base, ModelMixin), methods)
-    _accepted_by_pipelines(cls)
+    accept_compiled_class(cls)
     return cls
-
-
-def _accepted_by_pipelines(cls: type) -> None:
-    """diffusers' `from_pipe` keeps a ModelMixin only when its class is the very one the new
-    pipeline's signature names (`UNet2DConditionModel`): the compiled denoiser, a ModelMixin of its
-    own class, would be dropped and the new pipeline refused. aotbuild adds its class to every
-    signature's accepted types (`DiffusionPipeline._get_signature_types`, read by `from_pipe` and
-    `from_pretrained` only), so `Img2ImgPipeline.from_pipe(pipe)` keeps the compiled denoiser."""
-    from diffusers import DiffusionPipeline
-
-    _COMPILED_CLASSES.append(cls)  # the whole-model and the regional denoiser
-    original = DiffusionPipeline.__dict__["_get_signature_types"].__func__
-    if getattr(original, "accepts_compiled", False):
-        return
-
-    def _get_signature_types(pipeline_cls: type) -> dict[str, tuple]:
-        return {name: (*types, *_COMPILED_CLASSES) for name, types in original(pipeline_cls).items()}
-
-    _get_signature_types.accepts_compiled = True
-    DiffusionPipeline._get_signature_types = classmethod(_get_signature_types)
-
-
-_COMPILED_CLASSES: list[type] = []

@@ -12,7 +12,7 @@ kernels are all launched on the capturing stream.
 from __future__ import annotations
 
 import ast
-import threading
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
 from .component import CompiledComponent, unsupported_call
-from .graphs import GraphPool
 from .lora import meta_model
-from .variant import CompiledVariant
+from .variant import CompiledVariant, LoadContext
 
 
 class CompiledBlock(torch.nn.Module):
@@ -43,34 +42,35 @@ class CompiledBlock(torch.nn.Module):
             raise AotbuildError(f"block {self.fqn}: its compiled variant {variant.name} does not take the call the "
                                 f"model makes under the component's variant of that name: "
                                 + unsupported_call(f"block {self.fqn}", [variant], args, kwargs))
-        return variant.run(leaves, self._state.device)
+        return variant.run(leaves)
 
     def extra_repr(self) -> str:
         return f"{self.fqn}, compiled"
 
 
 class _CallState:
-    """What the running call chose, read by every block (one call at a time: the component's lock)."""
+    """What the running call chose, read by every block (one call at a time: the load's lock)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         self.variant: str | None = None
-        self.device = device
 
 
 class RegionalModel:
     """The denoiser's module tree on the artifact's weights, its blocks compiled: runs a call under
     one of the component's variants, and binds other tensors for any of its constants."""
 
-    def __init__(self, package: Path, entry: dict[str, Any], device: torch.device, weights: dict[str, torch.Tensor],
-                 sha256: str, layouts: dict[str, dict], lock: threading.RLock) -> None:
-        self.state = _CallState(device)
+    def __init__(self, package: Path, entry: dict[str, Any], weights: dict[str, torch.Tensor], sha256: str,
+                 layouts: dict[str, dict], context: LoadContext) -> None:
+        self.state = _CallState()
         self.model = meta_model(entry["config"], torch.float32)
         self.blocks: dict[str, CompiledBlock] = {}
         self._owners: dict[str, list[tuple[CompiledVariant, str]]] = {}  # block constants -> (model, its name)
+        # The blocks run inside the component's call, which holds the lock and any graph capture.
+        blocks = dataclasses.replace(context, graph_pool=None, tf32=False)
         for region in entry["regions"]:
             for fqn in region["instances"]:
-                self.blocks[fqn] = CompiledBlock(fqn, self._open_block(package, region, fqn, device, weights, sha256,
-                                                                       layouts, lock), self.state)
+                self.blocks[fqn] = CompiledBlock(fqn, self._open_block(package, region, fqn, weights, sha256, layouts,
+                                                                       blocks), self.state)
                 parent, _, leaf = fqn.rpartition(".")
                 setattr(self.model.get_submodule(parent), leaf, self.blocks[fqn])
         self._assign({name: tensor for name, tensor in weights.items() if name not in self._owners})
@@ -79,9 +79,8 @@ class RegionalModel:
             raise CorruptArtifactError(f"{package}: the weights lack {unset[0]!r}, which the eager part of the "
                                        f"regional {entry['attribute']} reads")
 
-    def _open_block(self, package: Path, region: dict[str, Any], fqn: str, device: torch.device,
-                    weights: dict[str, torch.Tensor], sha256: str, layouts: dict[str, dict],
-                    lock: threading.RLock) -> dict[str, CompiledVariant]:
+    def _open_block(self, package: Path, region: dict[str, Any], fqn: str, weights: dict[str, torch.Tensor],
+                    sha256: str, layouts: dict[str, dict], context: LoadContext) -> dict[str, CompiledVariant]:
         """The region's variants for one instance, bound to its weights: `<fqn>.<name>`, and the
         region's lifted constants (`<region>.<name>`), shared by its instances."""
         shared = set(region["shared_constants"])
@@ -90,8 +89,8 @@ class RegionalModel:
             full = {name: f"{region['name']}.{name}" if name in shared else f"{fqn}.{name}"
                     for name in entry["constants"]}
             variant = variants[entry["name"]] = CompiledVariant(
-                package, entry, device, {name: _lookup(weights, f, package) for name, f in full.items()}, sha256,
-                {name: layouts[f] for name, f in full.items() if f in layouts}, None, lock)
+                package, entry, {name: _lookup(weights, f, package) for name, f in full.items()}, sha256,
+                {name: layouts[f] for name, f in full.items() if f in layouts}, context)
             for name, f in full.items():
                 self._owners.setdefault(f, []).append((variant, name))
         return variants
@@ -132,13 +131,12 @@ class RegionalVariant(CompiledVariant):
     """A component-level variant of a regional model: the call signature the build validated, run
     through the model's forward with every block on its variant of this name."""
 
-    def __init__(self, entry: dict[str, Any], device: torch.device, model: RegionalModel,
-                 cuda_graph_pool: GraphPool | None, lock: threading.RLock) -> None:
-        self._init_signature(entry, device, lock)
+    def __init__(self, entry: dict[str, Any], model: RegionalModel, context: LoadContext) -> None:
+        self._init_signature(entry, context)
         self._regional = model
         self._values = [ast.literal_eval(leaf["value"]) if "value" in leaf else None for leaf in self.inputs]
         self._run = self._forward_flat
-        self._init_calls(entry["in_spec"], entry["out_spec"], cuda_graph_pool)
+        self._init_calls(entry["in_spec"], entry["out_spec"])
 
     def _forward_flat(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         given = iter(tensors)
@@ -167,16 +165,15 @@ class RegionalComponent(CompiledComponent):
             variant.rebind(tensors)
 
 
-def component_variants(package: Path, entry: dict[str, Any], device: torch.device, weights: dict[str, torch.Tensor],
-                       sha256: str, layouts: dict[str, dict], cuda_graph_pool: GraphPool | None,
-                       lock: threading.RLock) -> tuple[list[CompiledVariant], RegionalModel | None]:
+def component_variants(package: Path, entry: dict[str, Any], weights: dict[str, torch.Tensor], sha256: str,
+                       layouts: dict[str, dict], context: LoadContext,
+                       ) -> tuple[list[CompiledVariant], RegionalModel | None]:
     """A component entry's variants, bound to `weights`, and for a regional entry its model (None
     for a whole-model entry, whose variants are compiled models of their own)."""
     if entry.get("mode") != "regional":
-        return [CompiledVariant(package, v, device, weights, sha256, layouts, cuda_graph_pool, lock)
-                for v in entry["variants"]], None
-    model = RegionalModel(package, entry, device, weights, sha256, layouts, lock)
-    return [RegionalVariant(v, device, model, cuda_graph_pool, lock) for v in entry["variants"]], model
+        return [CompiledVariant(package, v, weights, sha256, layouts, context) for v in entry["variants"]], None
+    model = RegionalModel(package, entry, weights, sha256, layouts, context)
+    return [RegionalVariant(v, model, context) for v in entry["variants"]], model
 
 
 def _lookup(weights: dict[str, torch.Tensor], name: str, package: Path) -> torch.Tensor:

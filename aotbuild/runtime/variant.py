@@ -6,17 +6,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import CorruptArtifactError
+from ..errors import AotbuildError, CorruptArtifactError
 from ..shapes import infer_size
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
-from .weights import bindable
+from .weights import Lender, bindable, dtype_name
 
 
 def leaf_name(path: tuple) -> str:
@@ -34,7 +36,7 @@ def leaf_signature(tree: Any) -> list[dict[str, Any]]:
     for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
         key = leaf_name(path)
         if isinstance(leaf, torch.Tensor):
-            leaves.append({"path": key, "shape": list(leaf.shape), "dtype": str(leaf.dtype).removeprefix("torch."),
+            leaves.append({"path": key, "shape": list(leaf.shape), "dtype": dtype_name(leaf.dtype),
                            "stride": list(leaf.stride())})
         else:
             leaves.append({"path": key, "value": repr(leaf)})
@@ -61,61 +63,96 @@ def open_model(package: Path, sha256: str, name: str, device: torch.device) -> A
     return torch._C._aoti.AOTIModelPackageLoader(os.fspath(folder), name, True, 1, index)
 
 
+@dataclass
+class LoadContext:
+    """What the compiled models of one load share.
+
+    `lock` orders every call and weight switch of the load's models: one lock for all components,
+    because their CUDA graphs share one memory pool and one capture stream, so the UNet of one
+    request and the VAE of another must not capture or replay at once; the single-threaded runner
+    is not reentrant either. `graph_pool`: CUDA graphs for static buckets (None: none). `tf32`:
+    the artifact was validated with TF32 matmuls, which its calls turn on for their duration only.
+    `lender`: the borrowed views of the weights the models bind (see `Lender`).
+    """
+
+    device: torch.device
+    graph_pool: GraphPool | None = None
+    tf32: bool = False
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    lender: Lender = field(default_factory=Lender)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 matmuls and convolutions on CUDA (`enabled`) within the block, the flags as they were
+    after it: a build or a compiled call never changes them for the rest of the process."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+class LossyInputError(AotbuildError):
+    """A call's input would change value on its way to the compiled model's dtype."""
+
+
 class CompiledVariant:
     """One compiled model of a package (one shape variant), bound to its weights by pointer.
 
     `weights` maps FQNs to tensors with the strides the code was compiled for (`layouts`: the
     constants stored in another memory order than contiguous); each is checked before binding.
-    A static variant given a `cuda_graph_pool` replays as a CUDA graph (`CudaGraph`).
+    A static variant of a load with a graph pool replays as a CUDA graph (`CudaGraph`).
     """
 
-    def __init__(self, package: Path, entry: dict[str, Any], device: torch.device,
-                 weights: dict[str, torch.Tensor], sha256: str, layouts: dict[str, dict] | None = None,
-                 cuda_graph_pool: GraphPool | None = None, lock: threading.RLock | None = None) -> None:
-        device = self._init_signature(entry, device, lock)
+    def __init__(self, package: Path, entry: dict[str, Any], weights: dict[str, torch.Tensor], sha256: str,
+                 layouts: dict[str, dict] | None, context: LoadContext) -> None:
+        self._init_signature(entry, context)
         # A region's variant is one of several models of the package (`model`); else it is named so.
-        self._model = open_model(package, sha256, entry.get("model", self.name), device)
+        self._model = open_model(package, sha256, entry.get("model", self.name), context.device)
         self.constant_fqns = list(self._model.get_constant_fqns())
         self._fqns = set(self.constant_fqns)
-        bound = {fqn: bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
+        # The tensors bound now, kept alive here for as long as the model may read them.
+        self._bound = {fqn: bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
         # Bind before any call: a weight-less model run without constants crashes the process.
-        # user_managed: by pointer, no copy; the caller keeps the tensors alive.
-        self._model.load_constants(bound, False, True, True)
+        # user_managed: by pointer, no copy.
+        self._model.load_constants(context.lender.views(self._bound), False, True, True)
         self._run = self._model.boxed_run  # takes the list of inputs it is given
-        self._init_calls(*self._model.get_call_spec(), cuda_graph_pool)
+        self._init_calls(*self._model.get_call_spec())
 
-    def _init_signature(self, entry: dict[str, Any], device: torch.device,
-                        lock: threading.RLock | None) -> torch.device:
-        """The variant's name, manifest entry, inputs, device (a CUDA one with its index) and lock;
-        returns the device."""
+    def _init_signature(self, entry: dict[str, Any], context: LoadContext) -> None:
+        """The variant's name, manifest entry, inputs and load context."""
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device
-        self._lock = lock or threading.RLock()  # shared by a component's variants: see CompiledComponent
-        return device
+        self._context = context
+        self._device = context.device
+        self._lock = context.lock
 
-    def _init_calls(self, in_spec: str, out_spec: str, cuda_graph_pool: GraphPool | None) -> None:
+    def _init_calls(self, in_spec: str, out_spec: str) -> None:
         self.in_spec = pytree.treespec_loads(in_spec)
         self.out_spec = pytree.treespec_loads(out_spec)
         # A bucket's model serves a few call batches (1 image to its batch, guided and not): one
         # graph per call shape, captured on its first call.
-        self.graph_pool = cuda_graph_pool if self._device.type == "cuda" and "bucket" in self.entry else None
+        pool = self._context.graph_pool
+        self.graph_pool = pool if self._device.type == "cuda" and "bucket" in self.entry else None
         self.cuda_graphs: dict[tuple, CudaGraph] = {}
 
     def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
         """Bind these constants (a subset, by FQN) in place of the ones bound now, by pointer; the
-        next call reads them. A captured CUDA graph recorded the old pointers: captured again.
-
-        torch 2.13 keeps a reference to every tensor ever bound (pytorch#194480): callers rebind a
-        constant to few distinct tensors (a base and one merge buffer), not a new one each time.
-        """
+        next call reads them, and the tensors bound before are no longer kept alive for it. A
+        captured CUDA graph recorded the old pointers: captured again."""
         mine = {fqn: tensor for fqn, tensor in tensors.items() if fqn in self._fqns}
         if mine:
             with self._lock:
-                self._model.load_constants(mine, False, False, True)
+                self._model.load_constants(self._context.lender.views(mine), False, False, True)
+                self._bound.update(mine)
                 for graph in self.cuda_graphs.values():
                     graph.reset()
 
@@ -147,31 +184,51 @@ class CompiledVariant:
                               ranges.get("stride", 1)) is not None
         return True
 
-    def run(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
+    def run(self, leaves: list[tuple[str, Any]]) -> Any:
         with self._lock:  # the single-threaded runner is not reentrant
-            return self._run_unlocked(leaves, device)
+            with tf32(True) if self._context.tf32 else contextlib.nullcontext():
+                return self._run_unlocked(leaves)
 
-    def _run_unlocked(self, leaves: list[tuple[str, Any]], device: torch.device) -> Any:
+    def _run_unlocked(self, leaves: list[tuple[str, Any]]) -> Any:
         if self.graph_pool is not None:
-            tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
+            tensors = [self._converted(path, leaf, expected) for (path, leaf), expected
+                       in zip(leaves, self.inputs, strict=True) if isinstance(leaf, torch.Tensor)]
             return pytree.tree_unflatten(self._cuda_graph(tensors)(tensors), self.out_spec)
-        tensors = self._prepare(leaves, device)
+        tensors = self._prepare(leaves)
         # The runner launches on the current device's stream: make that this model's device.
         with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
             return pytree.tree_unflatten(self._run(tensors), self.out_spec)
 
-    def _prepare(self, leaves: list[tuple[str, Any]], device: torch.device) -> list[torch.Tensor]:
+    def _converted(self, path: str, leaf: torch.Tensor, expected: dict[str, Any]) -> torch.Tensor:
+        """`leaf` on the model's device in the dtype it was compiled for (AOTInductor reads raw
+        memory: an int64 timestep would otherwise be read as float bits). A conversion between
+        integer and floating point that changes a value (a float timestep of one scheduler, a
+        model traced with another's integer timesteps) is refused; from one floating point type to
+        another, the values take the artifact's precision."""
+        want = getattr(torch, expected["dtype"])
+        converted = leaf.to(device=self._device, dtype=want)
+        if leaf.dtype != want and (leaf.is_floating_point() != converted.is_floating_point()
+                                   or not leaf.is_floating_point()):
+            back = converted.to(device=leaf.device, dtype=leaf.dtype)
+            if not torch.equal(back, leaf):
+                value = leaf[back != leaf].flatten()[0].item()
+                raise LossyInputError(
+                    f"input {path} is {value!r} ({dtype_name(leaf.dtype)}) in this call; the compiled model takes "
+                    f"{expected['dtype']}, which would make it {back[back != leaf].flatten()[0].item()!r}",
+                    hint="rebuild the artifact with this aotbuild (denoisers take float timesteps now), or use a "
+                         "scheduler whose timesteps are integers")
+        return converted
+
+    def _prepare(self, leaves: list[tuple[str, Any]]) -> list[torch.Tensor]:
         """The call's tensors as the model was compiled for them."""
         tensors = []
-        for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
+        for (path, leaf), expected in zip(leaves, self.inputs, strict=True):
             if isinstance(leaf, torch.Tensor):
-                # Every input in the dtype the model was compiled for: AOTInductor reads raw memory, so
-                # an int64 timestep from another scheduler would otherwise be read as float bits.
-                want = getattr(torch, expected["dtype"])
-                leaf = leaf.to(device=device, dtype=want)
+                leaf = self._converted(path, leaf, expected)
                 if "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
                     # The compiled strides hold for a smaller call batch too (batch is the outer dim).
-                    leaf = torch.empty_strided(leaf.shape, expected["stride"], dtype=want, device=device).copy_(leaf)
+                    leaf = torch.empty_strided(leaf.shape, expected["stride"], dtype=leaf.dtype,
+                                               device=self._device).copy_(leaf)
                 elif expected.get("layout") == "channels_last":
                     leaf = leaf.contiguous(memory_format=torch.channels_last)
                 elif isinstance(expected.get("layout"), list):  # dims in memory order, outer to inner

@@ -12,6 +12,11 @@ import torch
 from ..errors import CorruptArtifactError
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: a dtype as targets and manifests name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def contiguous_strides(shape: Any) -> list[int]:
     strides, step = [], 1
     for size in reversed(list(shape)):
@@ -73,3 +78,39 @@ def bindable(weights: dict[str, torch.Tensor], fqn: str, layouts: dict[str, dict
         raise CorruptArtifactError(f"{package}: constant {fqn!r} has strides {list(tensor.stride())}; the compiled "
                                    f"code reads it with strides {expected}")
     return tensor
+
+
+class Lender:
+    """Views of tensors through storages that do not own their memory: what compiled models are
+    given to bind by pointer, made once per distinct view and shared by every model of one load.
+
+    torch 2.13 keeps each tensor it is given as a user-managed constant until the process ends
+    (the handle AOTInductor makes of it is never freed; fixed upstream by pytorch#194480). Given
+    the owner itself, that would keep its whole storage (a mapped weights file, a merge buffer)
+    alive after the model is gone; given a borrowed view, only the view's few hundred bytes stay,
+    and the memory goes when its owner does. The views are shared so that the bytes lost per load
+    grow with the distinct constants, not with the models binding them, and binding the same
+    tensor again (a LoRA switched back) loses nothing. Whoever binds keeps the owners alive for as
+    long as a model may read them.
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[tuple, Any] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each tensor as a borrowed view of the same memory, shape, strides and dtype."""
+        return {name: self._view(tensor) for name, tensor in tensors.items()}
+
+    def _view(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        where = (storage.data_ptr(), storage.nbytes(), tensor.device)
+        key = (*where, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        view = self._views.get(key)
+        if view is None:
+            if where not in self._storages:
+                self._storages[where] = torch._C._construct_storage_from_data_pointer(
+                    storage.data_ptr(), tensor.device, storage.nbytes())
+            view = self._views[key] = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+                self._storages[where], tensor.storage_offset(), tensor.shape, tensor.stride())
+        return view

@@ -1,0 +1,226 @@
+"""What the compiled stand-ins cannot honour exactly, refused in the user's terms before anything
+changes, and the diffusers pipeline methods that must ask them first.
+
+A stand-in that accepts a call and does nothing is worse than one that raises: a module whose
+compiled code runs one dtype on one device cannot follow `.to(torch.bfloat16)`, autocast, layerwise
+casting or another attention kernel. Each such entry point either does exactly what it does on an
+eager diffusers model, or raises an `UnsupportedCallError` naming the way that works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedCallError
+from .weights import dtype_name
+
+# What each refused ModelMixin / nn.Module method would change, and the way that works instead.
+REFUSED_METHODS: dict[str, tuple[str, str]] = {
+    "enable_layerwise_casting": ("stores weights in another dtype and casts them per layer",
+                                 "build a target with the dtype you want (dtype = \"bfloat16\", or a quantize recipe)"),
+    "enable_group_offload": ("moves weights between devices during each call",
+                             "load the artifact on the device it runs on"),
+    "enable_parallelism": ("splits the model over devices", "run one replica per device (aotbuild serve)"),
+    "enable_gradient_checkpointing": ("is for training: the compiled code computes no gradients",
+                                      "train the eager model, then build its weights"),
+    "enable_xformers_memory_efficient_attention": ("changes the attention kernel, which is compiled in",
+                                                   "set optimize.sdpa in the target and rebuild"),
+    "enable_npu_flash_attention": ("changes the attention kernel, which is compiled in",
+                                   "set optimize.sdpa in the target and rebuild"),
+    "enable_xla_flash_attention": ("changes the attention kernel, which is compiled in",
+                                   "set optimize.sdpa in the target and rebuild"),
+    "set_attention_backend": ("changes the attention kernel, which is compiled in",
+                              "set optimize.sdpa in the target and rebuild"),
+    "compile_repeated_blocks": ("compiles the model, which is compiled ahead of time already",
+                                "for blocks compiled once each, build with [compile] mode = \"regional\""),
+    "compile": ("compiles the model, which is compiled ahead of time already",
+                "call it as it is: it runs compiled code from its first call"),
+    "save_pretrained": ("saves diffusers weights, and the compiled model holds its weights as its compiled code "
+                        "binds them (fused, quantized, in another layout)",
+                        "ship the artifact folder (aotbuild push), or save the pipeline it was built from"),
+    "push_to_hub": ("pushes diffusers weights, and the compiled model holds its weights as its compiled code "
+                    "binds them", "push the artifact: aotbuild push"),
+    "from_pretrained": ("loads a diffusers model", "aotbuild.load_pipeline(artifact) or aotbuild.apply(pipe, "
+                                                   "artifact)"),
+    "apply": ("walks submodules, and the compiled model has none: the function would reach no weight",
+              "change weights with load_state_dict(), or through parameters() in place"),
+}
+# Refused only when they turn something on (`valid=True`); turning it off is what the compiled code does.
+REFUSED_WHEN_ENABLING = {
+    "set_use_memory_efficient_attention_xformers": "enable_xformers_memory_efficient_attention",
+    "set_use_npu_flash_attention": "enable_npu_flash_attention",
+    "set_use_xla_flash_attention": "enable_xla_flash_attention",
+}
+
+
+def refusal(component: str, method: str) -> UnsupportedCallError:
+    what, instead = REFUSED_METHODS[method]
+    return UnsupportedCallError(f"{component}.{method}() {what}; the {component} is compiled by aotbuild",
+                                hint=instead)
+
+
+def refused_method(method: str) -> Callable:
+    """A method that raises `refusal` when called, to put on a stand-in class."""
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise refusal(self.component_name, method)
+
+    refused.__name__ = method
+    refused.__doc__ = f"Refused: {REFUSED_METHODS[method][0]}."
+    return refused
+
+
+def model_mixin_refusals() -> dict[str, Callable]:
+    """The methods a compiled denoiser (a diffusers ModelMixin) refuses, by name."""
+    def refuse_enabling(method: str, enabler: str) -> Callable:
+        def setter(self: Any, valid: bool, *args: Any, **kwargs: Any) -> None:
+            if valid:
+                raise refusal(self.component_name, enabler)
+
+        setter.__name__ = method
+        return setter
+
+    methods = {name: refused_method(name) for name in REFUSED_METHODS if name not in StandIn.__dict__}
+    methods |= {name: refuse_enabling(name, enabler) for name, enabler in REFUSED_WHEN_ENABLING.items()}
+    return methods
+
+
+class StandIn(torch.nn.Module):
+    """What every compiled stand-in (a component, the VAE) does with nn.Module's own entry points:
+    `.to()` and the like can only confirm the dtype and device it runs; training, `apply(fn)` and
+    `compile()` are refused. Subclasses give `component_name`, `dtype`, `device` and
+    `_also_dtypes` (dtypes `.to()` may ask for that change nothing, see `check_move`)."""
+
+    compiled_by_aotbuild = True
+    _also_dtypes: frozenset[torch.dtype] = frozenset()
+    apply = refused_method("apply")
+    compile = refused_method("compile")
+
+    # nn.Module's own: diffusers' ModelMixin versions (ahead of them in a compiled denoiser's MRO
+    # otherwise) check quantization and warn about fp32 modules, which a stand-in has none of.
+    to, cuda, half, float = torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.half, torch.nn.Module.float
+
+    def _apply(self, fn: Any, recurse: bool = True) -> StandIn:
+        """`.to()`, `.half()`, `.cuda()`: the compiled code runs where it was loaded, in its dtype;
+        asking for exactly that changes nothing, asking for another is refused."""
+        check_move(self.component_name, fn, self.dtype, self.device, self._also_dtypes)
+        return self
+
+    def train(self, mode: bool = True) -> StandIn:
+        if mode:
+            raise UnsupportedCallError(f"{self.component_name}.train(): the compiled code runs in eval mode and "
+                                       f"computes no gradients", hint="train the eager model, then build its weights")
+        return super().train(False)
+
+    def requires_grad_(self, requires_grad: bool = True) -> StandIn:
+        if requires_grad:
+            raise UnsupportedCallError(f"{self.component_name}.requires_grad_(): the compiled code computes no "
+                                       f"gradients", hint="train the eager model, then build its weights")
+        return self
+
+
+def check_move(component: str, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+               device: torch.device, also: frozenset[torch.dtype] = frozenset()) -> None:
+    """`.to()`, `.half()`, `.cuda()` and the like reach a module through `_apply(fn)`: what `fn`
+    does to a tensor of the component's dtype on its device says what the call asks. The compiled
+    code runs in one dtype (or `also`: a VAE diffusers upcasts itself) on one device; asking for
+    another is refused, asking for these is exactly a no-op.
+
+    Raises:
+        UnsupportedCallError: naming what was asked and what the artifact runs.
+    """
+    moved = fn(torch.empty(0, dtype=dtype, device=device))
+    if moved.dtype != dtype and moved.dtype not in also:
+        raise UnsupportedCallError(
+            f"{component} is compiled by aotbuild for {dtype_name(dtype)} and cannot run {dtype_name(moved.dtype)} "
+            f"(.to(), .half() and the like would convert its weights; its compiled code reads them as "
+            f"{dtype_name(dtype)})", hint=f"build a target with dtype = \"{dtype_name(moved.dtype)}\"")
+    if moved.device != device:
+        raise UnsupportedCallError(
+            f"{component} is compiled by aotbuild for {device} and cannot move to {moved.device}",
+            hint=f"load an artifact built for {moved.device.type}: aotbuild.load_pipeline(artifact, "
+                 f"device=\"{moved.device}\")")
+
+
+def check_autocast(component: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Under `torch.autocast` eager diffusers computes in the autocast dtype; the compiled code
+    computes in the dtype it was built for, so a call under another autocast dtype is refused."""
+    if torch.is_autocast_enabled(device.type):
+        cast = torch.get_autocast_dtype(device.type)
+        if cast != dtype:
+            raise UnsupportedCallError(
+                f"{component} is called under torch.autocast(\"{device.type}\", dtype={cast}); it is compiled by "
+                f"aotbuild for {dtype_name(dtype)} and cannot follow autocast",
+                hint=f"call the pipeline outside autocast, or build a target with dtype = \"{dtype_name(cast)}\"")
+
+
+def _to_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(device, dtype) of `DiffusionPipeline.to(*args, **kwargs)`, parsed as diffusers does."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    if len(args) == 1:
+        if isinstance(args[0], torch.dtype):
+            dtype = args[0]
+        else:
+            device = args[0]
+    elif len(args) == 2:
+        device, dtype = args
+    return device, dtype
+
+
+def install_pipeline_guards() -> None:
+    """Once per process, on diffusers' DiffusionPipeline:
+    - `to()` first asks every compiled component whether it can follow (a refusal leaves every
+      component as it was: the text encoders are not converted before the UNet refuses);
+    - `save_pretrained()` refuses before writing anything when a component is compiled;
+    - `from_pipe` and `from_pretrained` accept aotbuild's compiled classes wherever a signature
+      names a model class (see `accept_compiled_class`)."""
+    from diffusers import DiffusionPipeline
+
+    if getattr(DiffusionPipeline.to, "checks_compiled", False):
+        return
+    original_to, original_save = DiffusionPipeline.to, DiffusionPipeline.save_pretrained
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device, dtype = _to_arguments(args, kwargs)
+        for module in self.components.values():
+            if isinstance(module, StandIn):
+                module.to(device=device, dtype=dtype)  # raises, or changes nothing
+        return original_to(self, *args, **kwargs)
+
+    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled = [name for name, module in self.components.items() if isinstance(module, StandIn)]
+        if compiled:
+            what, instead = REFUSED_METHODS["save_pretrained"]
+            verb = "is" if len(compiled) == 1 else "are"
+            raise UnsupportedCallError(f"save_pretrained(): {', '.join(compiled)} {verb} compiled by aotbuild; it "
+                                       f"{what}; nothing was written", hint=instead)
+        return original_save(self, *args, **kwargs)
+
+    to.checks_compiled = True
+    DiffusionPipeline.to, DiffusionPipeline.save_pretrained = to, save_pretrained
+
+
+_COMPILED_CLASSES: list[type] = []
+
+
+def accept_compiled_class(cls: type) -> None:
+    """diffusers' `from_pipe` keeps a ModelMixin only when its class is the very one the new
+    pipeline's signature names (`UNet2DConditionModel`): the compiled denoiser, a ModelMixin of its
+    own class, would be dropped and the new pipeline refused. aotbuild adds its class to every
+    signature's accepted types (`DiffusionPipeline._get_signature_types`, read by `from_pipe` and
+    `from_pretrained` only), so `Img2ImgPipeline.from_pipe(pipe)` keeps the compiled denoiser."""
+    from diffusers import DiffusionPipeline
+
+    _COMPILED_CLASSES.append(cls)  # the whole-model and the regional denoiser
+    original = DiffusionPipeline.__dict__["_get_signature_types"].__func__
+    if getattr(original, "accepts_compiled", False):
+        return
+
+    def _get_signature_types(pipeline_cls: type) -> dict[str, tuple]:
+        return {name: (*types, *_COMPILED_CLASSES) for name, types in original(pipeline_cls).items()}
+
+    _get_signature_types.accepts_compiled = True
+    DiffusionPipeline._get_signature_types = classmethod(_get_signature_types)
+
