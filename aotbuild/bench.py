@@ -75,6 +75,9 @@ FIGURES = {
     "tiles": "tiles per decode (aot-tiling)",
 }
 BENCH_NAME = "bench.json"
+# A bench process that runs longer than this is stopped: a hang fails the bench instead of stalling it.
+WORKER_TIMEOUT_S = 3600
+BUILD_TIMEOUT_S = 3 * 3600
 
 
 class BenchError(AotbuildError):
@@ -247,12 +250,19 @@ def _run_build(case: str, target_path: str, artifacts_dir: Path) -> float:
         cmd = [sys.executable, "-m", "aotbuild.bench", "--build", "--case", case, "--target", str(target_path),
                "--artifacts", str(artifacts_dir)]
         start = time.perf_counter()
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        elapsed = time.perf_counter() - start
+        _run_child(cmd, env, BUILD_TIMEOUT_S, f"building case {case}")
+        return time.perf_counter() - start
+
+
+def _run_child(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> None:
+    """Run one bench process; a failure or a hang (killed after `timeout` seconds) is a BenchError."""
+    try:
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{what} did not finish in {timeout:g} s and was stopped") from None
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise BenchError(f"building case {case} failed (exit {result.returncode}):\n{tail}")
-    return elapsed
+        raise BenchError(f"{what} failed (exit {result.returncode}):\n{tail}")
 
 
 def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, steady: int,
@@ -268,10 +278,9 @@ def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, st
     cmd = [sys.executable, "-m", "aotbuild.bench", "--case", case, "--target", str(target_path),
            "--artifacts", str(artifacts_dir), "--steps", str(steps), "--steady", str(steady),
            "--mega-cache", str(mega_cache), "--out", str(out), "--spawn-time", repr(time.time())]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if result.returncode != 0 or not out.is_file():
-        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise BenchError(f"bench case {case} failed (exit {result.returncode}):\n{tail}")
+    _run_child(cmd, env, WORKER_TIMEOUT_S, f"bench case {case}")
+    if not out.is_file():
+        raise BenchError(f"bench case {case} ended without writing its results")
     return json.loads(out.read_text())
 
 

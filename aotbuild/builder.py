@@ -19,7 +19,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from .manifest import (
     aotbuild_version,
     check_compatible,
     environment,
+    library_versions,
     read_manifest,
     sha256_file,
     write_manifest,
@@ -46,6 +46,7 @@ from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec, vae_factor
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .runtime.cache import check_artifact_files, mark_verified
 from .runtime.regional import component_variants
+from .runtime.variant import LoadContext, tf32
 from .targets import ShapeBucket, Target
 
 # Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
@@ -102,30 +103,41 @@ def variant_name(bucket: ShapeBucket) -> str:
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
-    """The folder holds an intact artifact of exactly this target (its random config set included),
-    built by this aotbuild, that fits this machine."""
+    """The folder holds an intact artifact of exactly this target, built by this aotbuild from the
+    same weights (the commit its revision resolves to now, the local folder's files, the random
+    config set), with the same diffusers, transformers, torchao and peft, that fits this machine."""
     try:
         manifest = read_manifest(folder)
+        if (manifest.get("target_hash") != target.content_hash() or manifest.get("aotbuild") != aotbuild_version()
+                or manifest["environment"].get("libraries") != library_versions()):
+            return False
         check_artifact_files(folder, manifest)  # intact, at load's cost: weights hashed once
         check_compatible(manifest)
+        if sources.is_random(target.source):
+            config_set = sources.config_set_dir(target.source, target.base_dir)
+            current = {f"{sources.SOURCE_DIRNAME}/{p.relative_to(config_set)}": sha256_file(p)
+                       for p in config_set.rglob("*") if p.is_file()}
+            built = {k: v["sha256"] for k, v in manifest["files"].items()
+                     if k.startswith(sources.SOURCE_DIRNAME + "/")}
+            if current != built:
+                return False
+        return manifest["source"] == _source_record(target)  # last: a Hub revision is resolved
     except AotbuildError:
         return False
-    if sources.is_random(target.source):
-        config_set = sources.config_set_dir(target.source, target.base_dir)
-        current = {f"{sources.SOURCE_DIRNAME}/{p.relative_to(config_set)}": sha256_file(p)
-                   for p in config_set.rglob("*") if p.is_file()}
-        built = {k: v["sha256"] for k, v in manifest["files"].items() if k.startswith(sources.SOURCE_DIRNAME + "/")}
-        if current != built:
-            return False
-    return manifest.get("target_hash") == target.content_hash() and manifest.get("aotbuild") == aotbuild_version()
 
 
 def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, force: bool = False,
-          allow_numerics_drift: bool = False, progress: Progress = print_progress) -> BuildResult:
+          allow_numerics_drift: bool = False, progress: Progress = print_progress,
+          wait: float | None = None) -> BuildResult:
     """Build `target` into `artifacts_dir/<target.name>/`, or skip when it is already fresh.
 
+    Args:
+        wait: seconds to wait for another build of the same target to finish (None: as long as it
+            takes); the wait is reported through `progress`, naming that build.
+
     Raises:
-        BuildError, NumericsError, SourceError: the previous artifact, if any, is left as it was.
+        BuildError, NumericsError, SourceError: the previous artifact, if any, is left as it was
+            (BuildError too when another build of the target still runs after `wait` seconds).
     """
     artifacts_dir = Path(artifacts_dir)
     folder = artifacts_dir / target.name
@@ -139,7 +151,7 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
         staging_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise BuildError(f"cannot write into {artifacts_dir}: {exc}") from None
-    with _target_lock(staging_root, target.name) as staging_dir:
+    with _target_lock(staging_root, target.name, wait, progress) as staging_dir:
         # A concurrent build of this target may have finished while this one waited for the lock.
         if not force and is_fresh(folder, target):
             progress("fresh", f"{folder} was just built by another process")
@@ -148,7 +160,9 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
         staging = Path(tempfile.mkdtemp(prefix="build-", dir=staging_dir))
         staging.chmod(0o755)
         try:
-            manifest = _build_into(target, staging, allow_numerics_drift, _Stages(progress, target.device == "cuda"))
+            stages = _Stages(progress, target.device == "cuda")
+            with tf32(optimize.uses_tf32(target.optimize, target.device)):  # never left set for the process
+                manifest = _build_into(target, staging, allow_numerics_drift, stages)
             _replace_folder(staging, folder, staging_dir)
         except OSError as exc:
             raise BuildError(f"could not write the artifact: {exc}") from exc
@@ -158,18 +172,57 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
 
 
 @contextlib.contextmanager
-def _target_lock(staging_root: Path, name: str) -> Iterator[Path]:
+def _target_lock(staging_root: Path, name: str, wait: float | None = None,
+                 progress: Progress = print_progress) -> Iterator[Path]:
     """One build of a target at a time: an flock on `<staging>/<name>.lock`, held by the building
     process until it ends (the kernel drops it when the process dies, whatever its PID becomes).
-    Yields the target's staging folder: whoever holds the lock owns everything in it, so what it
-    finds there was left by a build that died."""
-    import fcntl
+    The holder writes who it is into the file, for a waiting build to say; a build waits `wait`
+    seconds at most (None: as long as it takes). Yields the target's staging folder: whoever holds
+    the lock owns everything in it, so what it finds there was left by a build that died."""
+    import json
+    import socket
 
-    with open(staging_root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = staging_root / f"{name}.lock"
+    with open(path, "a+") as lock:  # never truncated before it is held: the holder's record stays readable
+        if not _try_lock(lock):
+            holder = _lock_holder(path)
+            limit = "" if wait is None else f" (up to {wait:g} s)"
+            progress("wait", f"another build of {name} is running ({holder}); waiting for it to finish{limit}")
+            deadline = None if wait is None else time.monotonic() + wait
+            while not _try_lock(lock):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise BuildError(f"another build of {name} is still running ({holder}) after {wait:g} s",
+                                     hint="let it finish, or wait longer: aotbuild build --wait SECONDS")
+                time.sleep(0.25)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}))
+        lock.flush()
         staging_dir = staging_root / name
         staging_dir.mkdir(exist_ok=True)
         yield staging_dir
+
+
+def _try_lock(lock: Any) -> bool:
+    import fcntl
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds a target's build lock, as its holder wrote it: "pid 123 on host-a since ...Z"."""
+    import json
+
+    try:
+        record = json.loads(path.read_text())
+        return f"pid {record['pid']} on {record['host']} since {record['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a build that has not said who it is"
 
 
 def _check_device(target: Target) -> None:
@@ -194,11 +247,14 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
                                                device=target.device)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
-        pipe = _load_pipeline(target, spec, torch.device("cpu"))  # _capture_all places the models
+        folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),
+                                        dtype=target.dtype)
+        source = _source_record(target, folder)  # what was read: the commit a branch resolved to, a fingerprint
+        pipe = _load_pipeline(target, spec, torch.device("cpu"), folder)  # _capture_all places the models
     points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None))
     regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
     instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}
-    with stages("capture", "eager float32 reference"):
+    with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls = _capture_all(pipe, spec, specs, target, points, device, stages.progress, instances)
     found = regions.group(instances, block_calls) if instances else []
     for point, record in block_calls.items():
@@ -229,6 +285,11 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
                         optimized[name].items()}
                     for name in examples}
         del optimized
+    for s in specs:  # a denoiser takes every scheduler's timesteps: float ones, whatever the capture's were
+        if s.denoiser:
+            for calls in examples.values():
+                if s.name in calls:  # not at a VAE tile's point
+                    calls[s.name] = capture.float_timestep(calls[s.name], modules[s.name])
     runtime = {"cuda_graphs": target.cuda_graphs, "scheduler": type(pipe.scheduler).__name__,
                # Not weights, but part of the recipe: where the scheduler keeps its sigmas (on CPU,
                # each step's sigma lookup costs no device sync; diffusers' Euler schedulers do this).
@@ -253,7 +314,6 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
 
-    source = _source_record(target)
     manifest = {
         "schema": REGIONAL_SCHEMA if regional or _permuted_inputs(components) else SCHEMA_VERSION,
         "aotbuild": aotbuild_version(),
@@ -323,11 +383,14 @@ def _release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
             component.to("cpu")
 
 
-def _source_record(target: Target) -> dict[str, Any]:
+def _source_record(target: Target, folder: Path | None = None) -> dict[str, Any]:
     """Where the pipeline came from: a Hub id and revision, a random config set and seed, or a
-    local folder by its name only (its path would tie the artifact to this machine)."""
+    local folder by its name only (its path would tie the artifact to this machine); and what its
+    weights were (`sources.source_identity`: the commit, or the folder's fingerprint), from the
+    `folder` read, else as the source is now."""
     return {"id": sources.recorded_source(target.source, target.base_dir), "revision": target.revision,
-            "seed": target.seed if sources.is_random(target.source) else None}
+            "seed": target.seed if sources.is_random(target.source) else None,
+            **sources.source_identity(target.source, target.revision, target.base_dir, folder)}
 
 
 @dataclass(frozen=True)
@@ -692,8 +755,11 @@ def _dynamic_signature(call: capture.CapturedCall, dims: list) -> list[dict[str,
     return leaves
 
 
-def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device) -> Any:
-    folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(), dtype=target.dtype)
+def _load_pipeline(target: Target, spec: PipelineSpec, device: torch.device, folder: Path | None = None) -> Any:
+    """The target's pipeline in float32 on `device`, from `folder` (its source, already resolved)."""
+    if folder is None:
+        folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),
+                                        dtype=target.dtype)
     seed = target.seed if sources.is_random(target.source) else None
     components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32,
                                          half_files=target.dtype in sources.HALF_DTYPES)
@@ -802,13 +868,14 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
     at the range's corners and its base point, a tile model at the smallest and largest tiles."""
     failures, graph_failures = [], []
     graph_pool = GraphPool(device) if manifest["runtime"]["cuda_graphs"] else None
+    tf32 = bool(manifest["optimizations"]["passes"].get("tf32", {}).get("enabled"))
     for name, entry in manifest["components"].items():
         layouts = entry["constants"]["layouts"]
         weights = load_weights(out / entry["weights"], device, layouts)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         package_sha = sha256_file(out / entry["package"])
-        opened, _ = component_variants(out / entry["package"], entry, device, weights, package_sha, layouts, None,
-                                       threading.RLock())
+        opened, _ = component_variants(out / entry["package"], entry, weights, package_sha, layouts,
+                                       LoadContext(device, tf32=tf32))
         plain = {variant.name: variant for variant in opened}
         for variant_entry in entry["variants"]:
             variant = plain[variant_entry["name"]]
@@ -821,7 +888,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                     raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
                                      f"{points[point]}")
                 with torch.no_grad():
-                    result = _first_output(variant.run(leaves, device))
+                    result = _first_output(variant.run(leaves))
                 expected = call.output.float().to(device)
                 error = (result.float() - expected).abs().max().item()
                 errors[str(points[point])] = (error, error / max(expected.abs().max().item(), 1e-6))
@@ -834,7 +901,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                 failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
         if graph_pool is not None:
             graph_failures += _check_cuda_graphs(out / entry["package"], entry, name, plain, weights, package_sha,
-                                                 layouts, reference, device, graph_pool)
+                                                 layouts, reference, LoadContext(device, graph_pool, tf32))
         # The bound weights stay on the device regardless: torch 2.13 never deletes its handle to a
         # user-managed constant (fixed upstream by pytorch#194480), so they live until the build ends.
         del plain, weights, variant
@@ -847,11 +914,11 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
 
 def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, plain: dict[str, CompiledVariant],
                        weights: dict, package_sha: str, layouts: dict[str, dict], reference: dict,
-                       device: torch.device, pool: GraphPool) -> list[str]:
+                       context: LoadContext) -> list[str]:
     """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
     component captured into one shared pool, then each replayed on new random inputs. Records each
     variant's largest relative difference in its numerics; returns the failures."""
-    opened, _ = component_variants(package, entry, device, weights, package_sha, layouts, pool, threading.RLock())
+    opened, _ = component_variants(package, entry, weights, package_sha, layouts, context)
     graphed = {v.name: v for v in opened if "bucket" in v.entry}
     generator = torch.Generator().manual_seed(0)
     diffs: dict[str, float] = dict.fromkeys(graphed, 0.0)
@@ -864,7 +931,7 @@ def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, pla
                        if fresh and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf)
                       for path, leaf in plain[name].flatten(call.args, call.kwargs)]
             with torch.no_grad():
-                got, want = (_first_output(m.run(leaves, device)).float() for m in (model, plain[name]))
+                got, want = (_first_output(m.run(leaves)).float() for m in (model, plain[name]))
             diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
             diffs[name] = max(diffs[name], diff, key=lambda d: d if d == d else float("inf"))  # NaN wins
             if fresh and torch.equal(got, first[name]):

@@ -126,3 +126,26 @@ def random_call(pipe: Any, spec: ComponentSpec, batch: int, height: int, width: 
         output = spec.export_module(module)(*args, **kwargs)
     return CapturedCall(tuple(args), dict(kwargs), output.detach().clone())
 
+
+
+def float_timestep(call: CapturedCall, module: torch.nn.Module) -> CapturedCall:
+    """The call with an integer `timestep` made float32 (exact for any scheduler's timesteps, which
+    stay far below 2**24): a model exported with integer timesteps could only take another
+    scheduler's float ones by rounding them, and the runtime refuses a cast that changes a value.
+    The build checks the compiled model on the reference's own timesteps, so a model that does
+    not take float ones fails its numerics instead of drifting silently."""
+    parameters = list(inspect.signature(module.forward).parameters)
+    if "timestep" not in parameters:
+        return call
+    position = parameters.index("timestep")
+    args, kwargs = list(call.args), dict(call.kwargs)
+    if position < len(args):
+        args[position] = _as_float(args[position])
+    elif "timestep" in kwargs:
+        kwargs["timestep"] = _as_float(kwargs["timestep"])
+    return CapturedCall(tuple(args), kwargs, call.output)
+
+
+def _as_float(value: Any) -> Any:
+    is_integer = isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+    return value.to(torch.float32) if is_integer else value

@@ -43,7 +43,8 @@ class MatrixRow:
 
 
 def build_one(target: Target, artifacts_dir: Path, *, force: bool = False, allow_numerics_drift: bool = False,
-              push_repo: str | None = None, progress: MatrixProgress | None = None) -> MatrixRow:
+              push_repo: str | None = None, wait: float | None = None,
+              progress: MatrixProgress | None = None) -> MatrixRow:
     """Build (or find fresh) one target and push it when asked; every failure is the row's error."""
     from .builder import build
     from .hub import parse_repo, push
@@ -52,7 +53,7 @@ def build_one(target: Target, artifacts_dir: Path, *, force: bool = False, allow
     node = socket.gethostname()
     start = time.perf_counter()
     try:
-        result = build(target, artifacts_dir, force=force, allow_numerics_drift=allow_numerics_drift,
+        result = build(target, artifacts_dir, force=force, allow_numerics_drift=allow_numerics_drift, wait=wait,
                        progress=lambda stage, message: progress and progress(target.name, stage, message))
         manifest = result.manifest
         numerics = [v["numerics"] for c in manifest["components"].values() for v in c["variants"] if "numerics" in v]
@@ -76,10 +77,10 @@ def build_one(target: Target, artifacts_dir: Path, *, force: bool = False, allow
 
 def run_matrix(targets: list[Target], artifacts_dir: Path, *, use_ray: bool = False, address: str | None = None,
                cpus: float = 1, force: bool = False, allow_numerics_drift: bool = False, push_repo: str | None = None,
-               progress: MatrixProgress | None = None) -> list[MatrixRow]:
+               wait: float | None = None, progress: MatrixProgress | None = None) -> list[MatrixRow]:
     """Build every target, here one after another or on Ray; one row per target, in their order."""
     artifacts_dir = Path(artifacts_dir).resolve()  # workers may start elsewhere
-    options = {"force": force, "allow_numerics_drift": allow_numerics_drift, "push_repo": push_repo}
+    options = {"force": force, "allow_numerics_drift": allow_numerics_drift, "push_repo": push_repo, "wait": wait}
     if not use_ray:
         return [build_one(t, artifacts_dir, progress=progress, **options) for t in targets]
     from .cluster import ray_session

@@ -8,7 +8,7 @@ Passes that matter during tracing (`sdpa`) also give a context entered around ex
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -71,12 +71,17 @@ def _bool(name: str) -> Callable[[Any, str, Any], None]:
 @register("tf32", validate=_bool("tf32"))
 def apply_tf32(modules: Modules, value: bool, device: str) -> dict[str, Any]:
     """TF32 matmuls and convolutions on CUDA (Ampere and newer): ~2x matmul throughput at ~1e-3
-    relative precision. No effect on CPU, recorded as such."""
+    relative precision. No effect on CPU, recorded as such. Never set for the process: the build
+    turns it on around its own work after the float32 reference (`uses_tf32`), and each call of
+    the artifact around itself (`runtime.variant.tf32`)."""
     if device != "cuda":
         return {"enabled": False, "reason": "TF32 exists on CUDA only"}
-    torch.backends.cuda.matmul.allow_tf32 = value
-    torch.backends.cudnn.allow_tf32 = value
     return {"enabled": value}
+
+
+def uses_tf32(options: dict[str, Any], device: str) -> bool:
+    """Whether a target's compiled code is made and checked with TF32 matmuls."""
+    return device == "cuda" and bool(options.get("tf32"))
 
 
 SDPA_BACKENDS = ("auto", "flash", "efficient", "math", "cudnn")
@@ -283,8 +288,6 @@ def validate_optimize(options: dict[str, Any], *, origin: str, device: str, gpu:
             raise TargetError(f"{origin}: {exc}") from None
 
 
-
-
 def apply_dtype(modules: Modules, dtype: str, force_upcast: dict[str, bool]) -> dict[str, str]:
     """Cast each compiled module to the target dtype; components whose config asks for
     `force_upcast` (SDXL's VAE overflows in float16) stay in float32. Returns dtype per component."""
@@ -302,9 +305,11 @@ def apply_passes(modules: Modules, options: dict[str, Any], device: str) -> dict
     return {name: PASSES[name].apply(modules, options[name], device) for name in PASSES if name in options}
 
 
-def export_context(options: dict[str, Any]) -> ContextManager:
-    """The contexts of every pass that must be active while tracing, entered together."""
-    stack = contextlib.ExitStack()
-    for name, value in options.items():
-        stack.enter_context(PASSES[name].export_context(value))
-    return stack
+@contextlib.contextmanager
+def export_context(options: dict[str, Any]) -> Iterator[None]:
+    """The contexts of every pass that must be active while tracing, entered together when the
+    block is entered (not when this is called) and left with it."""
+    with contextlib.ExitStack() as stack:
+        for name, value in options.items():
+            stack.enter_context(PASSES[name].export_context(value))
+        yield

@@ -38,6 +38,56 @@ def recorded_source(source: str, base_dir: Path) -> str:
     return f"{LOCAL_PREFIX}{folder.resolve().name}" if folder is not None else source
 
 
+def source_identity(source: str, revision: str | None, base_dir: Path, folder: Path | None = None) -> dict[str, str]:
+    """What the weights of a source are, beyond its name: the commit a Hub revision resolves to
+    (`folder`: the snapshot a build read, else resolved now), or a fingerprint of a local folder's
+    files (their names and sha256, each file hashed once per identity). A build records it, and a
+    build whose source's identity moved is not fresh. Empty for a random config set (the
+    artifact keeps that set's files, compared one by one).
+
+    Raises:
+        SourceError: a Hub revision that cannot be resolved (offline with nothing cached).
+    """
+    if is_random(source):
+        return {}
+    local = local_folder(source, base_dir)
+    if local is not None:
+        return {"fingerprint": folder_fingerprint(local)}
+    if folder is not None and folder.parent.name == "snapshots":
+        return {"commit": folder.name}
+    return {"commit": hub_commit(source, revision)}
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """sha256 over each file's path in the folder and its sha256 (hidden files left out)."""
+    import hashlib
+
+    from .runtime.cache import file_sha256
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = path.relative_to(folder).as_posix()
+        if not any(part.startswith(".") for part in relative.split("/")):
+            digest.update(f"{relative}\0{file_sha256(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def hub_commit(repo_id: str, revision: str | None) -> str:
+    """The commit a Hub revision (a branch, a tag, or a commit itself) resolves to, now; offline
+    (HF_HUB_OFFLINE=1), the one the cache last resolved it to."""
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    from huggingface_hub import hf_hub_download
+
+    from .hub import hub_endpoint
+
+    try:
+        index = hf_hub_download(repo_id, "model_index.json", revision=revision, endpoint=hub_endpoint())
+    except Exception as exc:  # huggingface_hub raises many types; all mean the same to the user
+        raise SourceError(f"cannot resolve {repo_id}@{revision or 'main'} on the Hub: {exc}") from None
+    return Path(index).parent.name  # .../snapshots/<commit>/model_index.json
+
+
 def config_set_dir(source: str, base_dir: Path) -> Path:
     """The folder of a `random:NAME` source, looked up under `base_dir/configs/`."""
     folder = base_dir / "configs" / source[len(RANDOM_PREFIX):]
@@ -153,13 +203,15 @@ def _random_component(cls: type, folder: Path, seed: int) -> Any:
 
     global _random_init_seconds
     start = time.perf_counter()
-    torch.manual_seed(seed)
+    # The caller's random state is left as it was: the seed is for these weights only.
     try:
-        if hasattr(cls, "config_class"):  # transformers model
-            return cls._from_config(cls.config_class.from_pretrained(folder))
-        if hasattr(cls, "from_config") and hasattr(cls, "load_config"):  # diffusers model or scheduler
-            return cls.from_config(cls.load_config(folder))
-        return cls.from_pretrained(folder)  # tokenizers and other weight-less components
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if hasattr(cls, "config_class"):  # transformers model
+                return cls._from_config(cls.config_class.from_pretrained(folder))
+            if hasattr(cls, "from_config") and hasattr(cls, "load_config"):  # diffusers model or scheduler
+                return cls.from_config(cls.load_config(folder))
+            return cls.from_pretrained(folder)  # tokenizers and other weight-less components
     finally:
         _random_init_seconds += time.perf_counter() - start
 

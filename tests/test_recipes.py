@@ -29,7 +29,8 @@ def test_manifest_records_recipe_and_numerics(built_int8):
         assert entry["custom_ops"] == []  # torchao's quant ops are decomposed: no torchao at runtime
         for variant in entry["variants"]:
             numerics = variant["numerics"]
-            assert numerics["tolerance"] == 0.1 and 0 < numerics["max_rel_error"] <= 0.1
+            # int8 measured ~8e-3 (UNet) and ~2e-4 (VAE, float32 convolutions): well inside the recipe's 0.1
+            assert numerics["tolerance"] == 0.1 and 0 < numerics["max_rel_error"] < 0.03
     sample = next(i for i in m["components"]["unet"]["variants"][0]["inputs"] if i["path"] == "args[0]")
     assert sample["stride"] == [4096, 1, 128, 4]  # NHWC: what the compiled UNet expects
 

@@ -62,7 +62,7 @@ def test_every_bucket_and_the_dynamic_range_match_eager(regional):
     if blocks is not None:
         assert (len(instances), len(entry["regions"])) == (blocks, expected_regions)
     for variant in entry["variants"]:  # the build checked each variant at every point it serves
-        assert variant["numerics"]["max_rel_error"] <= variant["numerics"]["tolerance"], variant["name"]
+        assert 0 < variant["numerics"]["max_rel_error"] < 2e-5, variant["name"]  # float32: rounding alone
     # A size off the range's corners; diffusers' SD pipelines also want multiples of 8 px.
     bucket, dynamic, stride = target.shapes[0], target.dynamic, math.lcm(target.stride, 16)
     calls = {"b2_64x64": [dict(num_images_per_prompt=bucket.batch), dict(num_images_per_prompt=1)],
@@ -228,7 +228,7 @@ def test_a_regional_artifact_travels_through_the_hub(monkeypatch, tmp_path_facto
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_TOKEN", "hf_aotbuildRegionalTestToken")
         push(built.folder, "aotbuild-test/regional")
-        pulled = aotbuild.load_pipeline("hf://aotbuild-test/regional")
+        pulled = aotbuild.load_pipeline("hf://aotbuild-test/regional", trust_remote_code=True)
     assert type(denoiser(pulled)).__name__ == "RegionalComponent"
     np.testing.assert_array_equal(run(pulled, height=64, width=64),
                                   run(aotbuild.load_pipeline(built.folder), height=64, width=64))
