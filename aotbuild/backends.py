@@ -66,13 +66,17 @@ def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:
 
 
 def prepare_artifact(artifact: str, *, cuda_graphs: bool | None = None, weights: str | None = None,
-                     loras: list[tuple[str, float]] = ()) -> tuple[Any, dict[str, Any]]:
+                     loras: list[tuple[str, float]] = (), trust_remote_code: bool = False,
+                     variant: str | None = None) -> tuple[Any, dict[str, Any]]:
     """A ready pipeline for an artifact folder or `hf://org/name[@revision]` (no target file
-    needed), and the target its manifest records."""
+    needed; a Hub artifact's native code is loaded only with `trust_remote_code`), and the target
+    its manifest records."""
+    from .hub import check_trusted
     from .manifest import read_manifest
     from .runtime import artifact_folder, load_pipeline
 
-    folder, _ = artifact_folder(artifact)
+    check_trusted(artifact, trust_remote_code)
+    folder, _ = artifact_folder(artifact, variant=variant)
     if not folder.is_dir():
         raise AotbuildError(f"no artifact at {artifact}", hint="give an artifact folder or hf://org/name[@revision]")
     manifest = read_manifest(folder)

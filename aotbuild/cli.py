@@ -69,9 +69,12 @@ def targets(targets_dir: Path | None) -> None:
               help="with --ray: CPUs each build reserves")
 @click.option("--push", "push_repo", metavar="ORG/NAME[@BRANCH]",
               help="push each artifact to this Hub repo, from the machine that built it")
+@click.option("--wait", type=click.FloatRange(0), metavar="SECONDS",
+              help="how long to wait for another build of the same target to finish (default: as long as it takes)")
 @click.pass_context
 def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_numerics_drift: bool,
-          artifacts: Path, use_ray: bool, address: str | None, cpus: float, push_repo: str | None) -> None:
+          artifacts: Path, use_ray: bool, address: str | None, cpus: float, push_repo: str | None,
+          wait: float | None) -> None:
     """Build artifacts/<target>/ (skipped when already fresh). Several targets, --ray or --push:
     each target fails alone, a table sums them up, and the exit code is the number that failed."""
     from .targets import load_target
@@ -89,7 +92,7 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
     if len(targets) == 1 and not use_ray and not push_repo:
         from .builder import build as run_build
 
-        result = run_build(targets[0], artifacts, force=force, allow_numerics_drift=allow_numerics_drift)
+        result = run_build(targets[0], artifacts, force=force, allow_numerics_drift=allow_numerics_drift, wait=wait)
         if result.skipped:
             click.echo(f"{result.folder}: fresh, nothing to do")
             return
@@ -98,7 +101,7 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
     from .matrix import format_rows, run_matrix
 
     rows = run_matrix(targets, artifacts, use_ray=use_ray, address=address, cpus=cpus, force=force,
-                      allow_numerics_drift=allow_numerics_drift, push_repo=push_repo,
+                      allow_numerics_drift=allow_numerics_drift, push_repo=push_repo, wait=wait,
                       progress=lambda name, stage, msg: click.echo(f"[{name}] [{stage:>9}] {msg}", err=True))
     click.echo(format_rows(rows))
     ctx.exit(min(sum(row.failed for row in rows), 125))
@@ -129,12 +132,16 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
                                 "id[@revision]) to run instead of the artifact's weights")
 @click.option("--lora", "loras", multiple=True, metavar="PATH[:SCALE]",
               help="aot: a LoRA (file, folder or Hub id) to apply with its weight (default 1.0); repeatable")
+@click.option("--variant", help="with an hf:// repo holding several targets: the target (or variant path) to run")
+@click.option("--trust-remote-code", is_flag=True, help="load an hf:// artifact's native code (compiled libraries "
+                                                     "run in this process); local folders need no flag")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               help=ARTIFACTS_HELP)
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
         batch: int | None, image: Path | None, strength: float | None, output: Path | None,
-        cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], artifacts: Path) -> None:
+        cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
+        trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image with the artifact (aot) or the eager / torch.compile pipeline; with --image,
     img2img from it."""
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
@@ -155,7 +162,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     start = time.perf_counter()
     adapters = [parse_lora(text) for text in loras]
     if artifact is not None:
-        pipe, recorded = prepare_artifact(artifact, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
+        pipe, recorded = prepare_artifact(artifact, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,
+                                          trust_remote_code=trust_remote_code, variant=variant)
     else:
         from .targets import load_target
 
@@ -261,13 +269,17 @@ def push(target_name: str, repo_id: str, revision: str | None, private: bool, cr
 
 @main.command()
 @click.argument("repo")
-@click.option("--variant", help="variant path (target/torchX.Y-...) instead of the one fitting this machine")
+@click.option("--variant", help="a target of the repo, or a variant path (target/torchX.Y-...), instead of the "
+                                "one fitting this machine")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="device type to fit (default: this machine's)")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="only a variant of this dtype")
-def pull(repo: str, variant: str | None, device: str | None, dtype: str | None) -> None:
+@click.option("--trust-remote-code", is_flag=True, help="you trust the repo's native code (compiled libraries that "
+                                                        "loading the artifact runs); required")
+def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, trust_remote_code: bool) -> None:
     """Download the variant of REPO (org/name[@revision]) that fits this machine into the HF cache."""
-    from .hub import resolve
+    from .hub import HF_PREFIX, check_trusted, resolve
 
+    check_trusted(repo if repo.startswith(HF_PREFIX) else HF_PREFIX + repo, trust_remote_code)
     found = resolve(repo, variant=variant, device=device, dtype=dtype)
     click.echo(f"{found.repo_id}@{found.commit} {found.variant}: {found.folder}")
 
@@ -335,14 +347,20 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
 @click.option("--max-steps", type=click.IntRange(1), default=50, show_default=True, help="most steps a request may ask")
 @click.option("--max-images", type=click.IntRange(1), default=4, show_default=True,
               help="most images a request may ask")
+@click.option("--variant", help="with an hf:// repo holding several targets: the target (or variant path) to serve")
+@click.option("--trust-remote-code", is_flag=True, help="load an hf:// artifact's native code (compiled libraries "
+                                                     "run in this process); local folders need no flag")
 def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
-          cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int) -> None:
+          cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int,
+          variant: str | None, trust_remote_code: bool) -> None:
     """Serve text-to-image over HTTP on Ray Serve: each replica loads the artifact once; POST JSON
     (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images, output) to the URL."""
+    from .hub import check_trusted
     from .serve import parse_autoscale, run_server
 
     if replicas is not None and autoscale is not None:
         raise AotbuildError("give --replicas or --autoscale, not both")
+    check_trusted(artifact, trust_remote_code)
     bounds = parse_autoscale(autoscale) if autoscale else None
     if not artifact.startswith("hf://"):
         from .manifest import read_manifest
@@ -354,7 +372,7 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
             gpu_type = gpu_type or target["gpu"]["name"]
     run_server(artifact, host=host, port=port, address=address, echo=click.echo, replicas=replicas or 1,
                autoscale=bounds, cpus=cpus, gpus=gpus or 0, gpu_type=gpu_type, max_steps=max_steps,
-               max_images=max_images)
+               max_images=max_images, trust_remote_code=trust_remote_code, variant=variant)
 
 
 @main.command()

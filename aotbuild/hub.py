@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import AotbuildError, CorruptArtifactError, HubError, IncompatibleArtifactError, NoMatchingVariantError
+from .errors import (
+    AotbuildError,
+    CorruptArtifactError,
+    HubError,
+    IncompatibleArtifactError,
+    NoMatchingVariantError,
+    UntrustedCodeError,
+)
 from .manifest import MANIFEST_NAME, check_compatible, check_relative_path, environment, read_manifest, verify_files
 
 INDEX_NAME = "index.json"
@@ -34,6 +41,36 @@ def _read_index(path: Path) -> dict[str, Any]:
         return index
     except (ValueError, AssertionError, AttributeError):
         raise HubError(f"{path.name} of this repo is not an aotbuild index") from None
+
+
+def check_trusted(artifact: str | os.PathLike, trust_remote_code: bool) -> None:
+    """A Hub artifact holds native code (compiled libraries) that loading runs in this process:
+    it is loaded only when the caller says so, as transformers asks for `trust_remote_code`.
+    Local folders are the caller's own.
+
+    Raises:
+        UntrustedCodeError: naming the repo and the flag.
+    """
+    if isinstance(artifact, str) and artifact.startswith("hf://") and not trust_remote_code:
+        raise UntrustedCodeError(
+            f"{artifact} holds native code (compiled libraries) that loading it runs in this process, and aotbuild "
+            f"loads code from a Hub repo only when you trust it",
+            hint="if you trust that repo: trust_remote_code=True in Python, --trust-remote-code on the command line")
+
+
+def pinned(spec: str) -> str:
+    """`hf://org/name@<commit>` for `hf://org/name[@revision]`: the revision resolved now, so that
+    every replica of a deployment loads the same commit whatever lands on the branch later."""
+    from huggingface_hub import hf_hub_download
+
+    repo_id, revision = parse_repo(spec)
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return f"{HF_PREFIX}{repo_id}@{revision}"
+    try:
+        index_file = Path(hf_hub_download(repo_id, INDEX_NAME, revision=revision, endpoint=hub_endpoint()))
+    except Exception as exc:  # HTTP, network, offline with nothing cached
+        raise _hub_error(f"resolving {repo_id}@{revision or 'main'}", exc) from None
+    return f"{HF_PREFIX}{repo_id}@{index_file.parent.name}"
 
 
 def parse_repo(spec: str) -> tuple[str, str | None]:
@@ -246,15 +283,20 @@ class Resolved:
 def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = None,
                    variant: str | None = None, pipeline: str | None = None,
                    here: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The index entry to use here: the one named, else the first that fits this machine (`here`,
-    by default this one's `environment`): an exact CPU ISA or GPU match before a weaker CPU ISA or
-    PTX compiled for a later GPU.
+    """The index entry to use here. `variant` names a variant path (`target/torch...`, or its last
+    part), or a target, whose variants are then chosen among. Of the variants that fit this machine
+    (`here`, by default this one's `environment`), one built for exactly this machine comes first
+    (the same CPU ISA; the same GPU, with its own kernels before PTX compiled for it). When the
+    fitting variants belong to several targets, the caller must name one: which target is meant
+    is never guessed.
 
     Raises:
         NoMatchingVariantError: listing what the repo has and what this machine is.
     """
     entries = [v for v in index.get("variants", []) if pipeline is None or v["pipeline"] == pipeline]
-    if variant:
+    if variant and variant in {v["path"].split("/")[0] for v in entries}:  # a target: choose among its variants
+        entries = [v for v in entries if v["path"].split("/")[0] == variant]
+    elif variant:
         chosen = [v for v in entries if v["path"] == variant] or [v for v in entries
                                                                    if v["path"].endswith("/" + variant)]
         if len(chosen) > 1:
@@ -277,17 +319,25 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
         wanted = f"{variant_id(here)}, torch {here['torch']}" + (f", {dtype}" if dtype else "")
         raise NoMatchingVariantError(f"no variant fits this machine ({wanted}); the repo has: {available or 'nothing'}",
                                      hint="build one here (aotbuild build) and push it, or name one with --variant")
-    # Built for exactly this machine first: same CPU ISA, same GPU (not PTX JIT-compiled for it).
+    targets = sorted({v["path"].split("/")[0] for v in fitting})
+    if len(targets) > 1:
+        raise NoMatchingVariantError(f"variants of {len(targets)} targets fit this machine: {', '.join(targets)}; "
+                                     f"which one is meant is not guessed",
+                                     hint="name the target: variant=\"NAME\" in Python, --variant NAME on the "
+                                          "command line")
+    # Built for exactly this machine first: same CPU ISA, same GPU, its own kernels before PTX.
     fitting.sort(key=lambda v: (v["environment"].get("cpu_isa") != here.get("cpu_isa"),
-                                v["environment"].get("gpu_capability") != here.get("gpu_capability")))
+                                v["environment"].get("gpu_capability") != here.get("gpu_capability"),
+                                bool(v["environment"].get("gpu_multi_arch")), v["path"]))
     return fitting[0]
 
 
 def resolve(spec: str, *, variant: str | None = None, device: str | None = None, dtype: str | None = None,
             pipeline: str | None = None, cache_dir: str | os.PathLike | None = None, verify: bool = True) -> Resolved:
-    """Download the fitting variant of `org/name[@revision]` (only its files) and return its folder.
-    Works offline (HF_HUB_OFFLINE=1) from the cache. `verify` hashes every file before returning
-    (`aotbuild pull`); loading checks the files itself (`runtime.check_artifact_files`)."""
+    """Download the fitting variant of `org/name[@revision]` (only its files) at the one commit
+    the revision resolves to, and return its folder. Works offline (HF_HUB_OFFLINE=1) from the
+    cache. `verify` hashes every file before returning (`aotbuild pull`); loading checks the files
+    itself (`runtime.open_artifact_files`)."""
     import torch
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -296,11 +346,15 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     endpoint = hub_endpoint()
     try:
-        index_file = hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir, endpoint=endpoint)
-        entry = choose_variant(_read_index(Path(index_file)), device=device, dtype=dtype, variant=variant,
+        # The revision is resolved once: the index and the variant's files come from that one commit,
+        # even when a push lands on the branch meanwhile.
+        index_file = Path(hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir,
+                                          endpoint=endpoint))
+        commit = index_file.parent.name  # .../snapshots/<commit>/index.json
+        entry = choose_variant(_read_index(index_file), device=device, dtype=dtype, variant=variant,
                                pipeline=pipeline)
         _check_variant_path(repo_id, entry.get("path"))
-        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, endpoint=endpoint,
+        snapshot = Path(snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, endpoint=endpoint,
                                           allow_patterns=[f"{entry['path']}/*", f"{entry['path']}/**"]))
     except AotbuildError:
         raise

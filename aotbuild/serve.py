@@ -16,12 +16,16 @@ import asyncio
 import base64
 import io
 import json
+import logging
+import math
 import os
+import re
 import statistics
 import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,8 @@ REQUEST_FIELDS = {
 }
 MAX_STEPS = 50
 MAX_IMAGES = 4
+MAX_BODY_BYTES = 64 * 1024  # a request is a prompt and a few numbers
+MAX_PROMPT_CHARS = 4096  # tokenizers read the first 77 to 512 tokens of a prompt
 UPSCALE_DELAY_S = 5
 SERVE_BENCH_NAME = "serve-bench.json"
 SERVE_BENCH_FIGURES = {
@@ -52,6 +58,7 @@ SERVE_BENCH_FIGURES = {
     "random_init_s": "creating random weights (random: sources), kept out of the timed figures",
 }
 SERVE_BENCH_RATIOS = ("ready_s", "first_response_s", "steady_response_s")  # the table's ratios to aot
+_log = logging.getLogger("aotbuild.serve")
 
 
 class RequestError(AotbuildError):
@@ -79,6 +86,10 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
     negative = body.get("negative_prompt")
     if negative is not None and not isinstance(negative, str):
         raise RequestError(400, "field 'negative_prompt' must be a string")
+    for name, text in (("prompt", prompt), ("negative_prompt", negative or "")):
+        if len(text) > MAX_PROMPT_CHARS:
+            raise RequestError(400, f"field {name!r} has {len(text)} characters; this server takes {MAX_PROMPT_CHARS} "
+                                    f"at most")
 
     def integer(name: str, low: int, high: int | None = None) -> int:
         value = body.get(name, defaults[name] if name != "images" else 1)  # one image unless asked
@@ -90,8 +101,8 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
         return value
 
     guidance = body.get("guidance_scale", defaults["guidance_scale"])
-    if isinstance(guidance, bool) or not isinstance(guidance, int | float) or guidance < 0:
-        raise RequestError(400, f"field 'guidance_scale' must be a number >= 0, got {json.dumps(guidance)}")
+    if isinstance(guidance, bool) or not isinstance(guidance, int | float) or not 0 <= guidance < math.inf:
+        raise RequestError(400, f"field 'guidance_scale' must be a finite number >= 0, got {json.dumps(guidance)}")
     output = body.get("output", "png")
     if output not in ("png", "json"):
         raise RequestError(400, f'field \'output\' is "png" or "json", got {json.dumps(output)}')
@@ -101,6 +112,56 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
     if output == "png" and request["images"] > 1:
         raise RequestError(400, f'"output": "png" returns one image; ask "output": "json" for {request["images"]}')
     return request
+
+
+def read_json(raw: bytes) -> Any:
+    """A request body parsed as JSON; NaN and Infinity, which Python's parser takes, are refused.
+
+    Raises:
+        RequestError: 400, saying what is wrong with the body.
+    """
+    def refuse(constant: str) -> None:
+        raise RequestError(400, f"the body holds {constant}: numbers must be finite")
+
+    try:
+        return json.loads(raw, parse_constant=refuse)
+    except ValueError as exc:
+        raise RequestError(400, f"the body is not JSON: {exc}") from None
+
+
+def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | None:
+    """Why the pipeline cannot make this call at its size, images and guidance, or None: checked
+    before anything is allocated (a 65536 x 65536 request would allocate its latents before the
+    compiled model refused it). An artifact's denoiser says what its variants cover; the eager and
+    compile backends are held to the largest call the target covers."""
+    from .runtime.component import CompiledComponent, variant_coverage, variant_covers
+
+    images, height, width = call["images"], call["height"], call["width"]
+    guided = call["guidance_scale"] > 1
+    denoiser = next((m for m in pipe.components.values() if isinstance(m, CompiledComponent)
+                     and m.component_name in ("unet", "transformer")), None)
+    if denoiser is not None:
+        entries = [v.entry for v in denoiser.variants]
+        if any(variant_covers(entry, images, height, width, guided) for entry in entries):
+            return None
+        return (f"no compiled variant makes {images} image(s) at {height}x{width} px "
+                f"{'with' if guided else 'without'} guidance; this artifact covers: "
+                + "; ".join(variant_coverage(entry) for entry in entries))
+    sizes = [(s["height"], s["width"], s["batch"]) for s in recorded["shapes"]]
+    if recorded.get("dynamic"):
+        sizes.append(tuple(recorded["dynamic"][axis][1] for axis in ("height", "width", "batch")))
+    largest = max(h * w * b for h, w, b in sizes)
+    if height * width * images > largest:
+        return f"{images} image(s) at {height}x{width} px is more than this server makes at once ({largest} pixels)"
+    return None
+
+
+_MACHINE_PATH = re.compile(r"(?<![\w.~-])(?:/[\w.@+-]+){2,}/?")
+
+
+def scrubbed(text: str) -> str:
+    """`text` without machine paths (a client learns nothing of the server's file system)."""
+    return _MACHINE_PATH.sub("<path>", text)
 
 
 def png_bytes(image: Any) -> bytes:
@@ -118,13 +179,14 @@ class ImageServer:
     """
 
     def __init__(self, artifact: str | None = None, *, target: str | None = None, backend: str = "aot",
-                 artifacts_dir: str = "artifacts", max_steps: int = MAX_STEPS, max_images: int = MAX_IMAGES) -> None:
+                 artifacts_dir: str = "artifacts", max_steps: int = MAX_STEPS, max_images: int = MAX_IMAGES,
+                 trust_remote_code: bool = False, variant: str | None = None) -> None:
         from .backends import call_defaults, prepare, prepare_artifact
         from .sources import random_init_seconds
 
         start = time.perf_counter()
         if artifact is not None:
-            self.pipe, recorded = prepare_artifact(artifact)
+            self.pipe, recorded = prepare_artifact(artifact, trust_remote_code=trust_remote_code, variant=variant)
         else:
             from .targets import load_target
 
@@ -132,52 +194,68 @@ class ImageServer:
             self.pipe, recorded = prepare(loaded, backend, Path(artifacts_dir)), loaded.to_dict()
         self.random_init_s = random_init_seconds()
         self.load_s = time.perf_counter() - start - self.random_init_s
+        self.recorded = recorded
         self.defaults = call_defaults(recorded)
         self.limits = {"max_steps": max_steps, "max_images": max_images}
         import torch
 
         # The thread count is part of the result: reductions split by threads round differently.
-        self.about = {"artifact": artifact, "target": recorded["name"], "backend": backend,
+        # The artifact by its Hub name or its folder's name: no machine path in a response.
+        shown = artifact if artifact is None or artifact.startswith("hf://") else Path(artifact).name
+        self.about = {"artifact": shown, "target": recorded["name"], "backend": backend,
                       "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits,
                       "threads": torch.get_num_threads()}
         self._lock = asyncio.Lock()  # a pipeline runs one call at a time; /health does not wait for it
 
     def check_health(self) -> None:
-        """Ray Serve's health check: the constructor finished, so the compiled models are loaded."""
-        if getattr(self, "pipe", None) is None:
-            raise RuntimeError("the pipeline is not loaded")
+        """Ray Serve's health check, and GET /health's: a small computation on the pipeline's
+        device, so a replica whose device failed is seen as failed."""
+        import torch
+
+        device = self.pipe.device
+        if torch.ones(16, device=device).sum().item() != 16:
+            raise RuntimeError(f"the replica's {device} computes wrong results")
 
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse, Response
 
-        replica = _replica_id()
+        replica, request_id = _replica_id(), uuid.uuid4().hex[:16]
+        ids = {"x-aotbuild-replica": replica, "x-aotbuild-request": request_id}
+
+        def answer(status: int, error: str) -> Any:
+            return JSONResponse({"error": scrubbed(error), "replica": replica, "request": request_id},
+                                status_code=status, headers=ids)
+
         path = request.url.path.rstrip("/")
         if request.method == "GET" and path.endswith("/health"):
-            return JSONResponse({"status": "ready", "replica": replica, "load_s": self.load_s,
-                                 "random_init_s": self.random_init_s, **self.about})
-        if request.method != "POST":
-            return JSONResponse({"error": f"{request.method} {request.url.path}: POST a JSON request to / "
-                                          f"or GET /health"}, status_code=405)
-        try:
             try:
-                body = json.loads(await request.body())
-            except ValueError as exc:
-                raise RequestError(400, f"the body is not JSON: {exc}") from None
-            call = parse_request(body, self.defaults, **self.limits)
+                self.check_health()
+            except Exception:
+                _log.exception("request %s: health check failed", request_id)
+                return answer(503, "the replica failed its health check")
+            return JSONResponse({"status": "ready", "replica": replica, "load_s": self.load_s,
+                                 "random_init_s": self.random_init_s, **self.about}, headers=ids)
+        if request.method != "POST":
+            return answer(405, f"{request.method} {request.url.path}: POST a JSON request to / or GET /health")
+        try:
+            call = parse_request(read_json(await _limited_body(request)), self.defaults, **self.limits)
+            if reason := covered(self.pipe, self.recorded, call):
+                raise RequestError(422, reason)
             async with self._lock:
                 images, seconds = await asyncio.to_thread(self._generate, call)
         except RequestError as exc:
-            return JSONResponse({"error": str(exc), "replica": replica}, status_code=exc.status)
+            return answer(exc.status, str(exc))
         except (AotbuildError, ValueError) as exc:  # diffusers' and aotbuild's words for a call they cannot make
             hint = f" ({exc.hint})" if getattr(exc, "hint", None) else ""
-            return JSONResponse({"error": f"{exc}{hint}", "replica": replica}, status_code=422)
-        except Exception as exc:  # the replica keeps serving; the client learns what failed
-            return JSONResponse({"error": f"{type(exc).__name__}: {exc}", "replica": replica}, status_code=500)
-        headers = {"x-aotbuild-replica": replica, "x-aotbuild-seconds": f"{seconds:.4f}"}
+            return answer(422, f"{exc}{hint}")
+        except Exception:  # the replica keeps serving; the client gets the request id, the log the rest
+            _log.exception("request %s failed", request_id)
+            return answer(500, f"the server failed to make this image; request {request_id}")
+        headers = {**ids, "x-aotbuild-seconds": f"{seconds:.4f}"}
         if call["output"] == "png":
             return Response(png_bytes(images[0]), media_type="image/png", headers=headers)
         return JSONResponse({"images": [base64.b64encode(png_bytes(i)).decode() for i in images],
-                             "replica": replica, "seconds": seconds}, headers=headers)
+                             "replica": replica, "request": request_id, "seconds": seconds}, headers=headers)
 
     def _generate(self, call: dict[str, Any]) -> tuple[list[Any], float]:
         from .backends import generate
@@ -188,25 +266,52 @@ class ImageServer:
         return result.images, result.total_s
 
 
-def _replica_id() -> str:
-    from ray import serve
+async def _limited_body(request: Any) -> bytes:
+    """The request's body, refused (413) past MAX_BODY_BYTES before more of it is read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(413, f"the body has {declared} bytes; this server takes {MAX_BODY_BYTES} at most")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise RequestError(413, f"the body has more than {MAX_BODY_BYTES} bytes; this server takes "
+                                    f"{MAX_BODY_BYTES} at most")
+    return bytes(body)
 
-    return serve.get_replica_context().replica_id.unique_id
+
+def _replica_id() -> str:
+    """The Serve replica's id ("local" when the server is called outside a replica, as tests do)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # ray missing, or Serve's own error for no replica context
+        return "local"
 
 
 def app(artifact: str | None = None, *, target: str | None = None, backend: str = "aot",
         artifacts_dir: str | os.PathLike = "artifacts", replicas: int = 1, autoscale: tuple[int, int] | None = None,
         cpus: float = 1, gpus: float = 0, gpu_type: str | None = None, max_steps: int = MAX_STEPS,
-        max_images: int = MAX_IMAGES, env: dict[str, str] | None = None) -> Any:
+        max_images: int = MAX_IMAGES, env: dict[str, str] | None = None, trust_remote_code: bool = False,
+        variant: str | None = None) -> Any:
     """The Serve application of `ImageServer`: `replicas` of them, or `autoscale` (min, max)
     scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind `gpu_type`, Ray's
     accelerator type). `env`: more environment for the replicas (the driver's Hub settings are
-    passed on). Run it with `ray.serve.run(app(...))`."""
+    passed on). An `hf://` artifact needs `trust_remote_code` (its native code runs in every
+    replica), and its revision is resolved here, once: every replica, the ones autoscaling adds
+    later too, loads that commit; `variant` names the target in a repo holding several. Run it
+    with `ray.serve.run(app(...))`."""
     from ray import serve
 
     from .cluster import forwarded_env, require_ray
 
     require_ray()
+    if artifact is not None and artifact.startswith("hf://"):
+        from .hub import check_trusted, pinned
+
+        check_trusted(artifact, trust_remote_code)
+        artifact = pinned(artifact)
     actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": {**forwarded_env(), **(env or {})}}}
     if gpu_type:
         actor["accelerator_type"] = gpu_type
@@ -221,7 +326,8 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         options["num_replicas"] = replicas
     deployment = serve.deployment(ImageServer, name="ImageServer", **options)
     return deployment.bind(artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir),
-                           max_steps=max_steps, max_images=max_images)
+                           max_steps=max_steps, max_images=max_images, trust_remote_code=trust_remote_code,
+                           variant=variant)
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:

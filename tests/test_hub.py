@@ -101,11 +101,14 @@ def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target
 
     push(built.folder, REPO)
     start = time.perf_counter()
-    pulled = run_cli("pull", REPO)
+    refused = run_cli("pull", REPO)
+    assert refused.returncode == 1 and f"hf://{REPO} holds native code" in refused.stderr
+    assert "--trust-remote-code" in refused.stderr
+    pulled = run_cli("pull", REPO, "--trust-remote-code")
     assert pulled.returncode == 0, pulled.stderr
     folder = Path(pulled.stdout.strip().rsplit(": ", 1)[1])
     assert folder.name == HERE and (folder / "unet.pt2").is_file()
-    script = ("import aotbuild, numpy, torch, sys; p = aotbuild.load_pipeline(sys.argv[1]); "
+    script = ("import aotbuild, numpy, torch, sys; p = aotbuild.load_pipeline(sys.argv[1], trust_remote_code=True); "
               "numpy.save(sys.argv[2], p('a red fox in the snow', num_inference_steps=2, height=64, width=64, "
               "guidance_scale=5.0, output_type='np', generator=torch.Generator('cpu').manual_seed(0)).images)")
     out = folder.parent.parent.parent / "image.npy"
@@ -117,7 +120,7 @@ def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target
     downloaded = {r["path"] for r in hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]}
     assert all(f"/{HERE}/" in p or p.endswith("index.json") for p in downloaded)  # only this variant
     hub.stop()
-    offline = run_cli("pull", REPO, env={"HF_HUB_OFFLINE": "1"})
+    offline = run_cli("pull", REPO, "--trust-remote-code", env={"HF_HUB_OFFLINE": "1"})
     assert offline.returncode == 0, offline.stderr
     assert TOKEN not in pulled.stdout + pulled.stderr + offline.stdout + offline.stderr
 
@@ -130,9 +133,8 @@ def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):
     push(built.folder, REPO)
     found = resolve(REPO)
     assert found.variant == f"cpu-tiny-sdxl/{HERE}"
-    index = json.loads((found.folder.parent.parent / "index.json").read_text()) \
-        if (found.folder.parent.parent / "index.json").exists() else None
-    assert len(hub.commits(REPO)) == 3 and (index is None or len(index["variants"]) == 2)
+    index = json.loads((found.folder.parent.parent / "index.json").read_text())  # the same commit's index
+    assert len(hub.commits(REPO)) == 3 and len(index["variants"]) == 2
 
 
 def test_concurrent_pushes_both_stay_in_the_index(hub, built, tmp_path):
@@ -237,7 +239,7 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
                if r["method"] == "GET" and r["path"].endswith(".safetensors")}
     assert weights and all(".fp16." in path for path in weights), weights  # half the bytes of the full files
     assert {"unet/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.fp16.safetensors"} <= weights
-    assert result.manifest["source"] == {"id": repo, "revision": revision, "seed": None}
+    assert result.manifest["source"] == {"id": repo, "revision": revision, "seed": None, "commit": revision}
     manifest_text = (result.folder / "manifest.json").read_text()
     assert os.environ["HF_HOME"] not in manifest_text and str(tmp_path) not in manifest_text  # no machine paths
 
@@ -276,6 +278,29 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
                 output_type="np", generator=torch.Generator("cpu").manual_seed(0)).images for p in (pipe, reference)]
     np.testing.assert_allclose(images[0], images[1], atol=BF16_IMAGE_ATOL, rtol=0)
     assert np.abs(images[0] - online).max() > 0.05  # not the artifact's weights
+
+    # A target naming a branch records the commit it resolved to: when the branch moves on, the artifact
+    # is stale, and loading it fetches that commit's files, not the branch's.
+    import dataclasses
+
+    from aotbuild.builder import _source_record, is_fresh
+
+    on_main = dataclasses.replace(load_target(target_file), revision="main")
+    head = api.repo_info(repo).sha
+    record = _source_record(on_main)
+    assert record == {"id": repo, "revision": "main", "seed": None, "commit": head}
+    branch_built = Path(shutil.copytree(result.folder, tmp_path / "on-main" / on_main.name))
+    manifest = json.loads((branch_built / "manifest.json").read_text())
+    manifest.update(source=record, target_hash=on_main.content_hash(),
+                    target={**manifest["target"], "revision": "main"})
+    (branch_built / "manifest.json").write_text(json.dumps(manifest))
+    assert is_fresh(branch_built, on_main)
+    hub.requests.clear()
+    aotbuild.load_pipeline(branch_built)
+    resolved = {r["path"] for r in hub.requests if "/resolve/" in r["path"]}
+    assert resolved and all(f"/resolve/{head}/" in p for p in resolved), resolved
+    api.upload_file(path_or_fileobj=b"moved", path_in_repo="MOVED.md", repo_id=repo)  # main moves on
+    assert not is_fresh(branch_built, on_main)
 
     hub.stop()
     offline = subprocess.run([sys.executable, "-c", script, str(result.folder), str(out)], capture_output=True,

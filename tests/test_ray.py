@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from aotbuild.cli import main
+from aotbuild.errors import UntrustedCodeError
 from aotbuild.serve import REQUEST_FIELDS, RequestError, parse_request, request
 
 from .conftest import ROOT, TARGETS
@@ -51,7 +52,7 @@ def test_request_defaults_and_fields():
     ({"prompt": "a fox", "height": True}, 400, "field 'height' must be an integer, got true"),
     ({"prompt": "a fox", "images": 9}, 400, "field 'images' is 9; this server takes 1 to 4"),
     ({"prompt": "a fox", "images": 2}, 400, '"output": "png" returns one image; ask "output": "json" for 2'),
-    ({"prompt": "a fox", "guidance_scale": -1}, 400, "field 'guidance_scale' must be a number >= 0"),
+    ({"prompt": "a fox", "guidance_scale": -1}, 400, "field 'guidance_scale' must be a finite number >= 0"),
     ({"prompt": "a fox", "output": "gif"}, 400, "field 'output' is \"png\" or \"json\""),
 ])
 def test_bad_requests_are_named(body, status, words):
@@ -285,8 +286,11 @@ def test_a_replica_starts_from_a_hub_artifact(served, built, http_port, monkeypa
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         commit = push(built.folder, "team/tiny-sdxl-aot").commit
+        with pytest.raises(UntrustedCodeError, match="hf://team/tiny-sdxl-aot holds native code"):
+            app("hf://team/tiny-sdxl-aot", cpus=0.5)
         start = time.perf_counter()
-        deploy(app(f"hf://team/tiny-sdxl-aot@{commit}", cpus=0.5), "hub", "/hub")
+        # The branch is resolved by the driver: every replica loads that commit.
+        deploy(app("hf://team/tiny-sdxl-aot", cpus=0.5, trust_remote_code=True), "hub", "/hub")
         url = f"http://127.0.0.1:{http_port}/hub"
         status, _, png = _post(url, body, "2-step image")
         LATENCIES["hf:// deploy to first image (download, load, generate)"] = [time.perf_counter() - start]
@@ -308,7 +312,7 @@ def test_bad_requests_get_4xx_and_the_replica_keeps_serving(served):
         ({"prompt": "a fox", "num_inference_steps": 2}, 400, "unknown field 'num_inference_steps'"),
         ({"prompt": "a fox", "steps": 500}, 400, "field 'steps' is 500; this server takes 1 to 50"),
         ({"prompt": "a fox", "steps": 1, "height": 256, "width": 256}, 422,
-         "unet: no compiled variant for this call (StableDiffusionXLPipeline(height=256, width=256"),
+         "no compiled variant makes 1 image(s) at 256x256 px with guidance; this artifact covers: 64x64 px"),
     ]
     for body, status, words in cases:
         code, _, answer = _post(served, body, "refused")
