@@ -23,10 +23,15 @@ fi
 export PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 python3 -m aotbuild.cli targets | grep "^$TARGET "
-if python3 -c "import pytest" 2>/dev/null; then   # recorded, not fatal: the figures below still matter
+tests_rc=0
+if python3 -c "import pytest" 2>/dev/null; then   # a failure fails the check, after the figures below are taken
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_optimize.py -k "cuda or graph or gpu" 2>&1 \
-    | tee "$OUT/pytest.log" | tail -5 || true
+    | tee "$OUT/pytest.log" | tail -5 || tests_rc=${PIPESTATUS[0]}
 fi
+finish() {  # the check's exit code: the CUDA tests' when they failed
+  if [ "$tests_rc" != 0 ]; then echo "CUDA tests failed (exit $tests_rc): see $OUT/pytest.log" >&2; fi
+  exit "$tests_rc"
+}
 if [ "$CHECK" = regional ]; then
   python3 -m aotbuild.cli bench --target "$TARGET" --artifacts "$OUT/artifacts" --cases aot,aot-regional \
     --repeats "${REPEATS:-1}" --steps "${STEPS:-4}" --steady 2 2>&1 | tee "$OUT/bench.log"
@@ -34,7 +39,7 @@ if [ "$CHECK" = regional ]; then
   cp "$OUT/artifacts/$TARGET-regional/manifest.json" "$OUT/manifest-regional.json"
   cp "$OUT/artifacts/$TARGET/bench.json" "$OUT/bench.json"
   rm -rf "$OUT/artifacts"
-  exit 0
+  finish
 fi
 ( time python3 -m aotbuild.cli build --target "$TARGET" --artifacts "$OUT/artifacts" ) 2>&1 | tee "$OUT/build.log"
 python3 -m aotbuild.cli bench --target "$TARGET" --artifacts "$OUT/artifacts" --cases eager,compile,aot,aot-no-cuda-graphs \
@@ -43,3 +48,4 @@ cp "$OUT/artifacts/$TARGET/manifest.json" "$OUT/manifest.json"
 cp "$OUT/artifacts/$TARGET/bench.json" "$OUT/bench.json"
 du -sh "$OUT/artifacts/$TARGET" | tee -a "$OUT/bench.log"
 rm -rf "$OUT/artifacts"   # too big to bring back; the figures are in the JSON
+finish
