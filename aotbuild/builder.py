@@ -40,6 +40,7 @@ from .manifest import (
     library_versions,
     read_manifest,
     sha256_file,
+    validated_with_tf32,
     write_manifest,
 )
 from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec, vae_factor
@@ -868,7 +869,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
     at the range's corners and its base point, a tile model at the smallest and largest tiles."""
     failures, graph_failures = [], []
     graph_pool = GraphPool(device) if manifest["runtime"]["cuda_graphs"] else None
-    tf32 = bool(manifest["optimizations"]["passes"].get("tf32", {}).get("enabled"))
+    tf32 = validated_with_tf32(manifest)
     for name, entry in manifest["components"].items():
         layouts = entry["constants"]["layouts"]
         weights = load_weights(out / entry["weights"], device, layouts)

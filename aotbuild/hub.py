@@ -58,19 +58,33 @@ def check_trusted(artifact: str | os.PathLike, trust_remote_code: bool) -> None:
             hint="if you trust that repo: trust_remote_code=True in Python, --trust-remote-code on the command line")
 
 
+def file_at_commit(repo_id: str, revision: str | None, filename: str, cache_dir: str | os.PathLike | None = None,
+                   ) -> tuple[str, Path]:
+    """(the commit `revision` names now, the repo's root file `filename` downloaded at it): the
+    one resolution a load makes, everything else is then fetched at that commit. Offline
+    (HF_HUB_OFFLINE=1), the commit the cache last resolved the revision to. huggingface_hub's
+    exceptions go to the caller."""
+    from huggingface_hub import hf_hub_download
+
+    path = Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, endpoint=hub_endpoint()))
+    return path.parent.name, path  # .../snapshots/<commit>/<filename>
+
+
+def commit_of(repo_id: str, revision: str | None, filename: str) -> str:
+    """The commit `revision` names now (a commit names itself, with no request)."""
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    return file_at_commit(repo_id, revision, filename)[0]
+
+
 def pinned(spec: str) -> str:
     """`hf://org/name@<commit>` for `hf://org/name[@revision]`: the revision resolved now, so that
     every replica of a deployment loads the same commit whatever lands on the branch later."""
-    from huggingface_hub import hf_hub_download
-
     repo_id, revision = parse_repo(spec)
-    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
-        return f"{HF_PREFIX}{repo_id}@{revision}"
     try:
-        index_file = Path(hf_hub_download(repo_id, INDEX_NAME, revision=revision, endpoint=hub_endpoint()))
+        return f"{HF_PREFIX}{repo_id}@{commit_of(repo_id, revision, INDEX_NAME)}"
     except Exception as exc:  # HTTP, network, offline with nothing cached
         raise _hub_error(f"resolving {repo_id}@{revision or 'main'}", exc) from None
-    return f"{HF_PREFIX}{repo_id}@{index_file.parent.name}"
 
 
 def parse_repo(spec: str) -> tuple[str, str | None]:
@@ -339,7 +353,7 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
     cache. `verify` hashes every file before returning (`aotbuild pull`); loading checks the files
     itself (`runtime.open_artifact_files`)."""
     import torch
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo_id, revision = parse_repo(spec)
@@ -348,9 +362,7 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
     try:
         # The revision is resolved once: the index and the variant's files come from that one commit,
         # even when a push lands on the branch meanwhile.
-        index_file = Path(hf_hub_download(repo_id, INDEX_NAME, revision=revision, cache_dir=cache_dir,
-                                          endpoint=endpoint))
-        commit = index_file.parent.name  # .../snapshots/<commit>/index.json
+        commit, index_file = file_at_commit(repo_id, revision, INDEX_NAME, cache_dir)
         entry = choose_variant(_read_index(index_file), device=device, dtype=dtype, variant=variant,
                                pipeline=pipeline)
         _check_variant_path(repo_id, entry.get("path"))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -113,6 +114,13 @@ def check_libraries(manifest: dict[str, Any]) -> None:
                                            f"blocks: install diffusers=={built}, or rebuild it with this diffusers")
 
 
+def validated_with_tf32(manifest: dict[str, Any]) -> bool:
+    """Whether the artifact's CUDA code was compiled and checked with TF32 matmuls (its calls turn
+    them on for their own duration, see `runtime.variant.tf32`)."""
+    return manifest["environment"]["device_type"] == "cuda" and bool(
+        manifest["optimizations"]["passes"].get("tf32", {}).get("enabled"))
+
+
 def aotbuild_version() -> str:
     from . import __version__
 
@@ -144,12 +152,13 @@ def environment(device: str, index: int | None = None) -> dict[str, Any]:
     return env
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def sha256_file(file: Path | BinaryIO) -> str:
+    """The sha256 of a file, by its path or through a binary handle open on it (read from its start)."""
+    if not hasattr(file, "read"):
+        with open(file, "rb") as handle:
+            return sha256_file(handle)
+    file.seek(0)
+    return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -188,13 +197,15 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     (Path(folder) / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
-def check_file(path: Path, record: dict[str, Any], *, hash: bool = True) -> None:
-    """The file exists with the size the manifest records and, if `hash`, its sha256."""
-    if not path.is_file():
+def check_file(path: Path, record: dict[str, Any], *, hash: bool = True, handle: BinaryIO | None = None) -> None:
+    """The file exists with the size the manifest records and, if `hash`, its sha256; through
+    `handle` when it is open already (the very file then read), else by its path."""
+    if handle is None and not path.is_file():
         raise CorruptArtifactError(f"{path} is missing from the artifact")
-    if path.stat().st_size != record["bytes"]:
-        raise CorruptArtifactError(f"{path}: size is {path.stat().st_size} bytes, the manifest says {record['bytes']}")
-    if hash and (actual := sha256_file(path)) != record["sha256"]:
+    size = os.fstat(handle.fileno()).st_size if handle is not None else path.stat().st_size
+    if size != record["bytes"]:
+        raise CorruptArtifactError(f"{path}: size is {size} bytes, the manifest says {record['bytes']}")
+    if hash and (actual := sha256_file(handle if handle is not None else path)) != record["sha256"]:
         raise CorruptArtifactError(f"{path}: sha256 is {actual}, the manifest says {record['sha256']}",
                                    hint="the file was changed or damaged; rebuild or pull it again")
 

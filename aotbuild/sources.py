@@ -75,17 +75,12 @@ def folder_fingerprint(folder: Path) -> str:
 def hub_commit(repo_id: str, revision: str | None) -> str:
     """The commit a Hub revision (a branch, a tag, or a commit itself) resolves to, now; offline
     (HF_HUB_OFFLINE=1), the one the cache last resolved it to."""
-    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
-        return revision
-    from huggingface_hub import hf_hub_download
-
-    from .hub import hub_endpoint
+    from .hub import commit_of
 
     try:
-        index = hf_hub_download(repo_id, "model_index.json", revision=revision, endpoint=hub_endpoint())
+        return commit_of(repo_id, revision, "model_index.json")
     except Exception as exc:  # huggingface_hub raises many types; all mean the same to the user
         raise SourceError(f"cannot resolve {repo_id}@{revision or 'main'} on the Hub: {exc}") from None
-    return Path(index).parent.name  # .../snapshots/<commit>/model_index.json
 
 
 def config_set_dir(source: str, base_dir: Path) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AotbuildError, CorruptArtifactError
+from ..manifest import check_file, sha256_file
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 COMPLETE = ".complete"  # written last into an extraction: an entry without it is not trusted
@@ -201,8 +202,6 @@ def mark_verified(path: Path, sha256: str, info: os.stat_result | None = None) -
 def file_sha256(path: Path) -> str:
     """The sha256 of a file, hashed once per file identity (the record is kept in this user's
     private cache), so an unchanged source folder is fingerprinted at the cost of its stat calls."""
-    from ..manifest import sha256_file
-
     info = path.stat()
     record = cache_root() / "hashes" / _identity(info)
     with contextlib.suppress(OSError):
@@ -284,23 +283,18 @@ def open_artifact_files(folder: Path, manifest: dict[str, Any], *, verify: bool 
     files = ArtifactFiles(folder)
     try:
         for name, record in manifest["files"].items():
-            path = folder / name
-            handle = files.hold(name)
+            path, handle = folder / name, files.hold(name)
             if not verify:
                 continue
+            check_file(path, record, hash=False, handle=handle)
             info = os.fstat(handle.fileno())
-            if info.st_size != record["bytes"]:
-                raise CorruptArtifactError(f"{path}: size is {info.st_size} bytes, the manifest says {record['bytes']}")
             real = Path(os.path.realpath(files.path(name)))
             if name in weights and (hub_blob_sha256(real) == record["sha256"] or is_verified(info, record["sha256"])):
                 continue
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
-            if digest != record["sha256"]:
-                raise CorruptArtifactError(f"{path}: sha256 is {digest}, the manifest says {record['sha256']}",
-                                           hint="the file was changed or damaged; rebuild or pull it again")
+            check_file(path, record, handle=handle)
             if name in weights:
-                mark_verified(path, digest, info)
-            files.sha256[name] = digest
+                mark_verified(path, record["sha256"], info)
+            files.sha256[name] = record["sha256"]
     except BaseException:
         files.close()
         raise

@@ -168,7 +168,7 @@ def placed_writes(component: str, given: dict[str, torch.Tensor], eager: dict[st
         if list(tensor.shape) != list(eager[name].shape):
             raise WeightsMismatchError(f"{component}: tensor {name!r} is {list(tensor.shape)}; the model's is "
                                        f"{list(eager[name].shape)}")
-        fqn, rows = _placement(name, eager, constants)
+        fqn, rows = placement(name, eager, constants)
         if fqn is None:
             raise WeightsMismatchError(f"{component}: the compiled code reads no constant made from {name!r}")
         if QUANTIZED in fqn:
@@ -183,15 +183,17 @@ def placed_writes(component: str, given: dict[str, torch.Tensor], eager: dict[st
     return writes
 
 
-def _placement(name: str, eager: dict[str, torch.Tensor],
-               constants: dict[str, torch.Tensor]) -> tuple[str | None, slice]:
-    """(the constant holding the eager tensor `name`, its rows there): itself, the int8 data of its
-    weight, or its rows of a fused projection (after the members before it)."""
+def placement(name: str, eager: dict[str, torch.Tensor],
+              constants: dict[str, torch.Tensor]) -> tuple[str | None, slice]:
+    """(the constant holding the eager tensor `name`, its rows there; None when the compiled code
+    has none): itself, the int8 data of its weight (its scale beside, `...original1`), or its rows
+    of a fused projection, after the members before it (`eager`: the model's tensors, for their
+    shapes). Other checkpoints' tensors and LoRA deltas are placed by it."""
     layer, _, kind = name.rpartition(".")
     quantized = f"{layer}{QUANTIZED}0"
     for fqn in (name, quantized if kind == "weight" else None):
         if fqn in constants:
-            return fqn, slice(None)
+            return fqn, slice(0, None)
     path, _, member = layer.rpartition(".")
     for fused, members in FUSED_PROJECTIONS.items():
         if member not in members:
@@ -201,4 +203,4 @@ def _placement(name: str, eager: dict[str, torch.Tensor],
         for fqn in (child(path, fused, kind), child(path, fused) + f"{QUANTIZED}0" if kind == "weight" else None):
             if fqn in constants:
                 return fqn, rows
-    return None, slice(None)
+    return None, slice(0, None)

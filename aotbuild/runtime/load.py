@@ -18,7 +18,7 @@ import torch
 
 from ..errors import AotbuildError, SourceError
 from ..hub import check_trusted
-from ..manifest import DTYPES, check_compatible, check_libraries, read_manifest, sha256_file
+from ..manifest import DTYPES, check_compatible, check_libraries, read_manifest, sha256_file, validated_with_tf32
 from ..pipelines import pipeline_spec
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
@@ -139,9 +139,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     if cuda_graphs and device.type != "cuda":
         raise AotbuildError(f"CUDA graphs need a CUDA device; this artifact runs on {device.type}",
                             hint="load it with cuda_graphs=False")
-    # The artifact was validated with TF32 matmuls: its calls turn them on, for their duration only.
-    tf32 = bool(manifest["optimizations"]["passes"].get("tf32", {}).get("enabled")) and device.type == "cuda"
-    context = LoadContext(device, tf32=tf32)
+    context = LoadContext(device, tf32=validated_with_tf32(manifest))
     if cuda_graphs:
         context.graph_pool = GraphPool(context.device)
     install_pipeline_guards()

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError
-from ..optimize import FUSED_PROJECTIONS
-from .checkpoint import QUANTIZED, SCHEMES, child
+from .checkpoint import QUANTIZED, SCHEMES, child, module_tensors, placement
 from .guards import accept_compiled_class, model_mixin_refusals
 
 # The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
@@ -77,6 +76,7 @@ class LoraState:
         self._layers: list[tuple[str, Any]] = []
         self._other_tuners: list[Any] = []
         self._placements: dict[str, tuple[Placement, ...]] = {}
+        self._shapes: dict[str, torch.Tensor] | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # merge buffer per constant, kept once allocated
         self._merged: set[str] = set()  # constants bound to their merge buffer now
         self._bound_state: tuple = ()
@@ -160,26 +160,14 @@ class LoraState:
     def placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
         """The constant rows a LoRA layer's delta goes to (empty: the compiled code has none)."""
         if path not in self._placements:
-            self._placements[path] = self._find_placements(path, layer)
+            self._placements[path] = self._find_placements(path)
         return self._placements[path]
 
-    def _find_placements(self, path: str, layer: Any) -> tuple[Placement, ...]:
-        found = self._weight_constant(path)
-        if found is not None:
-            return (Placement(found, slice(0, None)),)
-        parent, _, name = path.rpartition(".")
-        attention = self.shell.get_submodule(parent)
-        for fused, members in FUSED_PROJECTIONS.items():
-            found = self._weight_constant(child(parent, fused)) if name in members else None
-            if found is not None:
-                start = sum(getattr(attention, m).out_features for m in members[:members.index(name)])
-                return (Placement(found, slice(start, start + layer.out_features)),)
-        return ()
-
-    def _weight_constant(self, module: str) -> str | None:
-        """The constant holding `module`'s weight (float, or int8 data with its scale beside)."""
-        return next((fqn for fqn in (child(module, "weight"), child(module) + f"{QUANTIZED}0") if fqn in self._base),
-                    None)
+    def _find_placements(self, path: str) -> tuple[Placement, ...]:
+        if self._shapes is None:  # the model's own tensors (peft's base layers seen through), for shapes
+            self._shapes = module_tensors(self.shell)
+        fqn, rows = placement(child(path, "weight"), self._shapes, self._base)
+        return (Placement(fqn, rows),) if fqn is not None else ()
 
     # -- merging -------------------------------------------------------------------------------
 
