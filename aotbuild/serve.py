@@ -138,8 +138,7 @@ def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | 
 
     images, height, width = call["images"], call["height"], call["width"]
     guided = call["guidance_scale"] > 1
-    denoiser = next((m for m in pipe.components.values() if isinstance(m, CompiledComponent)
-                     and m.component_name in ("unet", "transformer")), None)
+    denoiser = next((m for m in pipe.components.values() if isinstance(m, CompiledComponent) and m.denoiser), None)
     if denoiser is not None:
         entries = [v.entry for v in denoiser.variants]
         if any(variant_covers(entry, images, height, width, guided) for entry in entries):

@@ -93,6 +93,11 @@ class CompiledComponent(StandIn):
         return self._device
 
     @property
+    def denoiser(self) -> bool:
+        """Whether this is the pipeline's denoiser (its spec says so)."""
+        return self._spec.denoiser
+
+    @property
     def weights(self) -> dict[str, torch.Tensor]:
         """The base constants by FQN (the artifact's, or another checkpoint's), as bound at load."""
         return self._weights

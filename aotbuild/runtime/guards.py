@@ -93,7 +93,6 @@ class StandIn(torch.nn.Module):
     `compile()` are refused. Subclasses give `component_name`, `dtype`, `device` and
     `_also_dtypes` (dtypes `.to()` may ask for that change nothing, see `check_move`)."""
 
-    compiled_by_aotbuild = True
     _also_dtypes: frozenset[torch.dtype] = frozenset()
     apply = refused_method("apply")
     compile = refused_method("compile")
