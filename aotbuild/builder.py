@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import inspect
 import math
 import os
 import shutil
@@ -43,7 +44,7 @@ from .manifest import (
     validated_with_tf32,
     write_manifest,
 )
-from .pipelines import ComponentSpec, PipelineSpec, pipeline_spec, vae_factor
+from .pipelines import TEXT, UNCURATED, ComponentSpec, PipelineSpec, default_text_length, pipeline_spec, vae_factor
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .runtime.cache import check_artifact_files, mark_verified
 from .runtime.regional import component_variants
@@ -100,7 +101,8 @@ class _Stages:
 
 
 def variant_name(bucket: ShapeBucket) -> str:
-    return f"b{bucket.batch}_{bucket.height}x{bucket.width}"
+    text = f"_text{bucket.max_sequence_length}" if bucket.max_sequence_length else ""
+    return f"b{bucket.batch}_{bucket.height}x{bucket.width}{text}"
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
@@ -302,14 +304,17 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     _free_device_memory(device)
 
     components = {}
-    modes = _guidance_modes(target, spec)
+    # The guidance each denoiser variant serves, where its batch says it (none: the same either way).
+    modes = _guidance_modes(target, spec) if spec.cfg_batch and _batches_guidance(reference, specs) else ()
     for s in specs:
         if s is regional:
             components[s.name] = _build_regional(s, modules[s.name], found, instances, target, plans[s.name], examples,
-                                                 dims, modes, records["dtype"][s.name], inductor_options, out, stages)
+                                                 reference, dims, modes, records["dtype"][s.name], inductor_options,
+                                                 out, stages)
         else:
-            components[s.name] = _build_component(s, modules[s.name], target, plans[s.name], examples, dims[s.name],
-                                                  modes, records["dtype"][s.name], inductor_options, out, stages)
+            components[s.name] = _build_component(s, modules[s.name], target, plans[s.name], examples, reference,
+                                                  dims[s.name], modes, records["dtype"][s.name], inductor_options, out,
+                                                  stages)
     del modules, examples, instances  # validate binds the packaged weights: the eager copies go first
     _free_device_memory(device)
     if sources.is_random(target.source):
@@ -325,6 +330,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "environment": _environment(target, inductor_options),
         "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
         "components": components,
+        "pipeline": {"curated": True} if spec.curated else {"curated": False, "note": UNCURATED},
         "runtime": runtime,
         "files": {},
         "timings": {},
@@ -404,10 +410,18 @@ class CapturePoint:
     width: int
     guided: bool = True
     tile_of: str | None = None
+    text: int | None = None  # the call's max_sequence_length (None: the pipeline takes none)
 
     def __str__(self) -> str:
         size = f"{self.batch}x{self.height}x{self.width}"
-        return f"{self.tile_of} tile {size}" if self.tile_of else size + ("" if self.guided else " unguided")
+        if self.tile_of:
+            return f"{self.tile_of} tile {size}"
+        return size + (f" text {self.text}" if self.text else "") + ("" if self.guided else " unguided")
+
+    @property
+    def run(self) -> tuple[int, int, int, bool, int | None]:
+        """What a pipeline run at this point is called with: points that share it share the run."""
+        return self.batch, self.height, self.width, self.guided, self.text
 
 
 @dataclass(frozen=True)
@@ -440,30 +454,37 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
     for a denoiser, both guidance batches. A tile model spans every tile `vae.enable_tiling()` cuts
     from images of the target's stride."""
     modes = _guidance_modes(target, spec)
+    text = default_text_length(target.pipeline)  # what each call pads its prompt to, unless a shape says
     points: dict[str, CapturePoint] = {}
     plans: dict[str, list[VariantPlan]] = {s.name: [] for s in specs}
     for bucket in target.shapes:
         name = variant_name(bucket)
+        bucket = dataclasses.replace(bucket, max_sequence_length=bucket.max_sequence_length or text)
         for guided in modes:
             for images in sorted({bucket.batch, 1}, reverse=True):
                 suffix = ("" if images == bucket.batch else ":one") + ("" if guided == modes[0] else ":unguided")
-                points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided)
+                points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided,
+                                                     text=bucket.max_sequence_length)
         for s in specs:
             served = [p for p in points if p.split(":")[0] == name
                       and (s.denoiser or points[p].guided == modes[0])]
-            plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
+            untexted = dataclasses.replace(bucket, max_sequence_length=None)
+            if s.denoiser:
+                plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
+            elif all(plan.bucket != untexted for plan in plans[s.name]):  # the text does not reach the VAE
+                plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=untexted))
     if target.dynamic:
-        ranges = target.dynamic
+        ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
         for probe, size in shapes.range_points(ranges, target.stride).items():
-            points[f"dynamic:{probe}"] = CapturePoint(*size, modes[0])
+            points[f"dynamic:{probe}"] = CapturePoint(*size[:3], modes[0], text=size[3] if text else None)
         both = len(modes) > 1 and ranges["batch"][0] < ranges["batch"][1]  # else the batch dim is static
         if both:
             points["dynamic:min:unguided"] = dataclasses.replace(points["dynamic:min"], guided=False)
         for s in specs:
             served = ("dynamic:base", "dynamic:min", "dynamic:max", *(("dynamic:min:unguided",) if both and s.denoiser
                                                                         else ()))
-            plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
-                                             ranges={**ranges, "stride": target.stride}))
+            reached = ranges if s.denoiser else {a: r for a, r in ranges.items() if a != TEXT}
+            plans[s.name].append(VariantPlan("dynamic", "dynamic", served, ranges={**reached, "stride": target.stride}))
     largest = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
     for s in specs:
         if s.name in target.tiling:
@@ -505,17 +526,20 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
     peak is the larger group, not the whole pipeline (full-size Flux in float32: T5-XXL 19 GB,
     the transformer 48 GB)."""
     recorded = [s for s in specs if s.recorded]
-    runs = {(p.batch, p.height, p.width, p.guided) for p in points.values() if p.tile_of is None}
+    runs = {p.run for p in points.values() if p.tile_of is None}
     models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     encoders = [m for n, m in models.items() if n.startswith("text_encoder")]
     others = [m for n, m in models.items() if not n.startswith("text_encoder")]
-    embeds = {}
-    if recorded and runs:
+    embeds: dict[tuple[int, bool], Any] = {}
+    if spec.prompt_embeds is None:  # the pipeline encodes its prompt at each capture
+        others += encoders
+    elif recorded and runs:
         for module in encoders:
             module.to(device)
-        embeds = {(batch, guided): capture.encode_prompt(pipe, spec, batch=batch, device=device,
-                                                         guidance_scale=target.guidance_scale if guided else 1.0)
-                  for batch, guided in sorted({(r[0], r[3]) for r in runs})}
+        embeds = {(batch, guided, text): capture.encode_prompt(
+                      pipe, spec, batch=batch, device=device, guidance_scale=target.guidance_scale if guided else 1.0,
+                      text=text)
+                  for batch, guided, text in sorted({(r[0], r[3], r[4]) for r in runs}, key=str)}
         for module in encoders:
             module.to("cpu")
     for module in others:
@@ -525,7 +549,7 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
     calls: dict[str, dict[str, capture.CapturedCall]] = {}
     block_calls: dict[str, regions.BlockCalls] = {}
     for name, point in points.items():
-        key = (point.batch, point.height, point.width, point.guided)
+        key = point.run
         calls[name] = {}
         if point.tile_of is None and recorded:  # capture_inputs records these only
             if key not in runs_done:
@@ -534,8 +558,8 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
                 with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
-                        guidance_scale=target.guidance_scale if point.guided else 1.0,
-                        prompt_embeds=embeds[key[0], key[3]], extras=extras)
+                        guidance_scale=target.guidance_scale if point.guided else 1.0, text=point.text,
+                        prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras)
             calls[name].update(runs_done[key])
             if blocks:
                 block_calls[name] = block_runs[key]
@@ -556,7 +580,7 @@ def _call_batch(call: capture.CapturedCall) -> int:
 
 def _variant_dims(component: str, plan: VariantPlan, reference: dict,
                   points: dict[str, CapturePoint]) -> tuple[list | None, list[int] | None]:
-    """(how each input dim follows the call's batch, height and width; the call batches served),
+    """(how each input dim follows the call's batch, height, width and text length; the call batches served),
     or (None, None) for a static model. Batch dims are in units of the call's batch."""
     calls = [reference[p][component] for p in plan.points]
     batches = [_call_batch(c) for c in calls]
@@ -575,7 +599,7 @@ def _variant_dims(component: str, plan: VariantPlan, reference: dict,
     def at(probe: str) -> list[list[int]]:
         return _tensor_shapes(reference[f"{prefix}:{probe}"][component])
 
-    probes = {probe: at(probe) for probe in ("base", *shapes.AXES)}
+    probes = {probe: at(probe) for probe in ("base", *shapes.axes_of(plan.ranges))}
     corners = {probe: at(probe) for probe in ("min", "max")}
     sizes = {probe: (points[f"{prefix}:{probe}"].batch, points[f"{prefix}:{probe}"].height,
                      points[f"{prefix}:{probe}"].width) for probe in probes}
@@ -589,7 +613,8 @@ def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: lis
     entry: dict[str, Any] = {"name": plan.name}
     if plan.kind == "bucket":
         bucket = plan.bucket
-        entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width}
+        entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width,
+                           **({TEXT: bucket.max_sequence_length} if bucket.max_sequence_length else {})}
         entry["inputs"] = leaf_signature((call.args, call.kwargs))
         if leaf_dims is not None:
             tensor_dims = iter(leaf_dims)
@@ -608,9 +633,22 @@ def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: lis
     return entry
 
 
-def _served_guidance(spec: ComponentSpec, target: Target, plan: VariantPlan, modes: tuple[bool, ...]) -> list | None:
-    """Which guidance a denoiser's variant serves (None: not a denoiser whose batch it changes)."""
-    if not (spec.denoiser and pipeline_spec(target.pipeline).cfg_batch):
+def _batches_guidance(reference: dict[str, dict[str, capture.CapturedCall]], specs: list[ComponentSpec]) -> bool:
+    """Whether the pipeline doubles its denoiser's batch under guidance, as captured: not when a
+    guided call and its unguided twin pass the same batch (Chroma calls it twice per step)."""
+    for point, calls in reference.items():
+        if point.endswith(":unguided"):
+            twin = reference[point.removesuffix(":unguided")]
+            if any(s.denoiser and s.name in calls and _call_batch(calls[s.name]) == _call_batch(twin[s.name])
+                   for s in specs):
+                return False
+    return True
+
+
+def _served_guidance(spec: ComponentSpec, plan: VariantPlan, modes: tuple[bool, ...]) -> list | None:
+    """Which guidance a denoiser's variant serves (None: not a denoiser whose batch it changes,
+    `modes` empty)."""
+    if not (spec.denoiser and modes):
         return None
     served = {False if p.endswith(":unguided") else modes[0] for p in plan.points}
     return [g for g, on in (("guided", True), ("unguided", False)) if on in served]
@@ -629,6 +667,71 @@ def _export(module: torch.nn.Module, name: str, plan: VariantPlan, call: capture
     with stages("export", f"{name} {plan.name}"):
         return export.export_variant(module, call.args, call.kwargs, optimize.export_context(target.optimize),
                                      dynamic_shapes)
+
+
+def _record_relations(entry: dict[str, Any], program: torch.export.ExportedProgram, call: capture.CapturedCall,
+                      component: str) -> None:
+    """Each dynamic dim of the entry's inputs gets its size in the exported program ("expr"), which
+    the runtime checks every call against. A dim export made static, or relations the runtime
+    could not check, fail the build: AOTInductor would run any shape on them unchecked."""
+    exported = iter(export.input_dims(program))
+    for leaf in entry["inputs"]:
+        if "value" in leaf:
+            continue
+        sizes = next(exported)
+        for d, (dim, size) in enumerate(zip(leaf.get("dims", ()), sizes, strict=False)):
+            if not isinstance(dim, dict):
+                continue
+            if isinstance(size, int):
+                raise BuildError(f"{component} {entry['name']}: torch.export made input {leaf['path']} dim {d} static "
+                                 f"({size}) where the pipeline's calls vary it: the model does not take it dynamic",
+                                 hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
+            if shapes.polynomial(size) is None:
+                raise BuildError(f"{component} {entry['name']}: input {leaf['path']} dim {d} is {size} in the exported "
+                                 f"program, a relation aotbuild cannot check at call time",
+                                 hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
+            dim["expr"] = size
+    dims = [leaf.get("dims", leaf.get("shape")) for leaf in entry["inputs"] if "value" not in leaf]
+    if not shapes.relations_hold(dims, _tensor_shapes(call)):
+        found = ", ".join(d["expr"] for leaf in dims for d in leaf if isinstance(d, dict))
+        raise BuildError(f"{component} {entry['name']}: the exported program relates its inputs' sizes in a way "
+                         f"aotbuild cannot check at call time ({found})",
+                         hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
+
+
+def _check_served(program: torch.export.ExportedProgram, example: capture.CapturedCall,
+                  calls: dict[str, capture.CapturedCall], component: str, variant: str) -> None:
+    """Run the exported program on fake tensors shaped as each call the variant serves. Export can
+    make a size static without a word (a tensor built from a Python list as long as the batch
+    becomes a constant), and compiled code checks no shape: a call of another size would corrupt
+    memory at run time. Fake tensors cost no compute, and the ops' own shape checks run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = program.module(check_guards=False)
+    examples = [t for t in pytree.tree_leaves((example.args, example.kwargs)) if isinstance(t, torch.Tensor)]
+    for point, call in calls.items():
+        sizes = _tensor_shapes(call)
+        if sizes == _tensor_shapes(example):
+            continue
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fakes = [_empty_like(t, size) for t, size in zip(examples, sizes, strict=True)]
+            leaves, structure = pytree.tree_flatten((example.args, example.kwargs))
+            taken = iter(fakes)
+            args, kwargs = pytree.tree_unflatten([next(taken) if isinstance(leaf, torch.Tensor) else leaf
+                                                  for leaf in leaves], structure)
+            try:
+                graph(*args, **kwargs)
+            except Exception as exc:
+                raise BuildError(f"{component} {variant}: the exported program cannot run the call at {point} "
+                                 f"({str(exc).splitlines()[0]}): torch.export fixed a size that this call changes",
+                                 hint="cover those sizes with [[shapes]] buckets of their own") from exc
+
+
+def _empty_like(tensor: torch.Tensor, size: list[int]) -> torch.Tensor:
+    """An empty tensor of `size` with `tensor`'s dtype, device and memory format."""
+    nhwc = tensor.ndim == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last)
+    return torch.empty(size, dtype=tensor.dtype, device=tensor.device,
+                       memory_format=torch.channels_last if nhwc else torch.contiguous_format)
 
 
 def _compile_all(programs: dict[str, torch.export.ExportedProgram], what: str, inductor_options: dict[str, Any],
@@ -658,16 +761,24 @@ def _component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, 
 
 
 def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Target, plans: list[VariantPlan],
-                     examples: dict, dims: dict[str, tuple], modes: tuple[bool, ...], dtype: str,
+                     examples: dict, reference: dict, dims: dict[str, tuple], modes: tuple[bool, ...], dtype: str,
                      inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
     """Export, compile and package every variant of one component; returns its manifest entry."""
+    from torch.export import Dim
+
     exported = spec.export_module(module).eval()
     programs, variants = {}, []
     for plan in plans:
         call = examples[plan.points[0]][spec.name]
         leaf_dims, call_batch = dims[plan.name]
-        variants.append(_variant_entry(plan, call, leaf_dims, call_batch, _served_guidance(spec, target, plan, modes)))
-        programs[plan.name] = _export(exported, spec.name, plan, call, leaf_dims, call_batch, target, stages)
+        variants.append(_variant_entry(plan, call, leaf_dims, call_batch, _served_guidance(spec, plan, modes)))
+        # Sequences (Flux's image tokens, Chroma's attention mask over text + image tokens) are
+        # related by the code: export infers how (Dim.AUTO), and the entry records it.
+        programs[plan.name] = _export(exported, spec.name, plan, call, leaf_dims, call_batch, target, stages,
+                                      tokens=Dim.AUTO)
+        _record_relations(variants[-1], programs[plan.name], call, spec.name)
+        _check_served(programs[plan.name], call, {p: reference[p][spec.name] for p in plan.points}, spec.name,
+                      plan.name)
     compiled = _compile_all(programs, spec.name, inductor_options, stages)
     with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device))
@@ -676,8 +787,8 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
 
 def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[regions.Region],
                     instances: dict[str, torch.nn.Module], target: Target, plans: list[VariantPlan],
-                    examples: dict, dims: dict[str, dict[str, tuple]], modes: tuple[bool, ...], dtype: str,
-                    inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
+                    examples: dict, reference: dict, dims: dict[str, dict[str, tuple]], modes: tuple[bool, ...],
+                    dtype: str, inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
     """Export and compile each region once per variant, package them all in one file, and store
     every instance's weights and the eager part's (`runtime/regional.py` runs them); returns the
     component's manifest entry. The component's variants record the call signatures the runtime
@@ -688,7 +799,7 @@ def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[re
     variants = []
     for plan in plans:
         call = examples[plan.points[0]][spec.name]
-        entry = _variant_entry(plan, call, *dims[spec.name][plan.name], _served_guidance(spec, target, plan, modes))
+        entry = _variant_entry(plan, call, *dims[spec.name][plan.name], _served_guidance(spec, plan, modes))
         for leaf in entry["inputs"]:
             if "value" in leaf and not _is_literal(leaf["value"]):
                 raise BuildError(f"{spec.name}: input {leaf['path']} is {leaf['value']}, which a regional model cannot "
@@ -709,6 +820,9 @@ def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[re
             # tokens) are related by the code: export infers how (Dim.AUTO), the ranges come from the call.
             programs[entry["model"]] = _export(block, region.name, plan, call, leaf_dims, call_batch, target, stages,
                                                tokens=Dim.AUTO)
+            _record_relations(entry, programs[entry["model"]], call, region.name)
+            _check_served(programs[entry["model"]], call, {p: reference[p][region.name] for p in plan.points},
+                          region.name, plan.name)
             entries.append(entry)
         region_entries.append({"name": region.name, "class": region.block_class, "instances": list(region.instances),
                                "variants": entries})
@@ -775,13 +889,33 @@ def _default_pixels(pipe: Any, spec: PipelineSpec, target: Target) -> dict[str, 
     for one image, else the first square bucket (None: no square bucket, the caller must choose)."""
     configs = {name: dict(m.config) for name, m in pipe.components.items()
                if isinstance(getattr(m, "config", None), dict)}  # diffusers models' configs (FrozenDict)
-    native = spec.default_pixels(configs)
+    fixed = _call_default_pixels(pipe)  # a size in the call's signature: no config can move it
+    native = fixed or (spec.default_pixels(configs) if spec.default_pixels else _pipeline_default_pixels(pipe, spec))
+    if native is None:
+        return {"native": None, "served": None}
     dynamic = target.dynamic
     covered = any(b.height == b.width == native for b in target.shapes) or bool(
         dynamic and not native % target.stride and all(dynamic[a][0] <= native <= dynamic[a][1]
                                                        for a in ("height", "width")))
-    square = next((b.height for b in target.shapes if b.height == b.width), None)
+    square = None if fixed else next((b.height for b in target.shapes if b.height == b.width), None)
     return {"native": native, "served": native if covered else square}
+
+
+def _call_default_pixels(pipe: Any) -> int | None:
+    """The square size a pipeline's call defaults to in its signature (AuraFlow's 1024), if any."""
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    sizes = {parameters[a].default for a in ("height", "width") if a in parameters}
+    size = sizes.pop() if len(sizes) == 1 else None
+    return size if isinstance(size, int) else None
+
+
+def _pipeline_default_pixels(pipe: Any, spec: PipelineSpec) -> int | None:
+    """What most pipelines do when a call gives no size: `default_sample_size` (else the
+    denoiser's `sample_size`) latent pixels times `vae_scale_factor`; None when they say neither."""
+    denoiser = next(getattr(pipe, c.attribute) for c in spec.components.values() if c.denoiser)
+    latent = getattr(pipe, "default_sample_size", None) or getattr(denoiser.config, "sample_size", None)
+    factor = getattr(pipe, "vae_scale_factor", None)
+    return latent * factor if isinstance(latent, int) and isinstance(factor, int) else None
 
 
 def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> tuple[dict, dict[str, Any]]:

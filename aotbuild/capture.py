@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .pipelines import ComponentSpec, PipelineSpec
+from .pipelines import TEXT, ComponentSpec, PipelineSpec
 
 
 @dataclass
@@ -74,11 +74,14 @@ PROMPT = "a photo of a red fox in the snow"
 
 
 def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_scale: float,
-                  device: torch.device) -> dict[str, torch.Tensor | None]:
-    """The pipeline's text encoding of the capture prompt for `batch` images, as the keyword
-    arguments its call takes instead of the prompt (so the text encoders can leave the device)."""
+                  device: torch.device, text: int | None = None) -> dict[str, torch.Tensor | None]:
+    """The pipeline's text encoding of the capture prompt for `batch` images (padded to `text`
+    tokens: `max_sequence_length`), as the keyword arguments its call takes instead of the
+    prompt (so the text encoders can leave the device)."""
     parameters = inspect.signature(pipe.encode_prompt).parameters
     kwargs = {"prompt": PROMPT, "device": device, "num_images_per_prompt": batch}
+    if text is not None:
+        kwargs[TEXT] = text
     kwargs |= {name: None for name in ("prompt_2", "prompt_3") if name in parameters}
     if "do_classifier_free_guidance" in parameters:
         kwargs["do_classifier_free_guidance"] = guidance_scale > 1
@@ -89,16 +92,19 @@ def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_sca
 
 def capture_inputs(
     pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
-    prompt_embeds: dict[str, torch.Tensor | None] | None = None, extras: dict[str, Any] | None = None,
+    text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
+    extras: dict[str, Any] | None = None,
 ) -> dict[str, CapturedCall]:
-    """Run the pipeline once (one denoising step) at this shape and return the inputs of each
-    component it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt`
-    for `batch` images) when given; `extras` are further arguments of the call (an inpainting
-    pipeline's image and mask)."""
+    """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`)
+    and return the inputs of each component it calls (`ComponentSpec.recorded`); from
+    `prompt_embeds` (made by `encode_prompt` for `batch` images) when given; `extras` are further
+    arguments of the call (an inpainting pipeline's image and mask)."""
     specs = [s for s in specs if s.recorded]
     prompt: dict[str, Any] = {"prompt": PROMPT, "num_images_per_prompt": batch}
     if prompt_embeds is not None:
         prompt = {**prompt_embeds, "num_images_per_prompt": 1}
+    if text is not None:
+        prompt[TEXT] = text
     with recording(pipe, specs) as calls, torch.no_grad():
         pipe(
             **prompt, height=height, width=width,

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from .errors import AotbuildError
+from .pipelines import TEXT
 
 ARTIFACTS_HELP = "folder holding one artifact folder per target"
 
@@ -389,13 +390,13 @@ def cache(clear: bool) -> None:
 
 
 def _dim_text(dim: Any) -> str:
-    """A dim of a variant's signature: 4, 2*B, H/8, T[16..256]."""
+    """A dim of a variant's signature: 4, 2*B, H/8, T[16..256] (image tokens), L[128..512] (text)."""
     if isinstance(dim, int):
         return str(dim)
     if dim["axis"] == "batch":
         return "B" if dim["factor"] == 1 else f"{dim['factor']}*B"
-    if dim["axis"] == "tokens":
-        return f"T[{dim['min']}..{dim['max']}]"
+    if dim["axis"] in ("tokens", TEXT):
+        return f"{'T' if dim['axis'] == 'tokens' else 'L'}[{dim['min']}..{dim['max']}]"
     return f"{dim['axis'][0].upper()}/{dim['pixels']}"
 
 
@@ -430,6 +431,7 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
     lines = [
         f"artifact   {folder}",
         f"target     {t['name']}  ({t['pipeline']}, {t['device']}, {t['dtype']})",
+        *([f"pipeline   {m['pipeline']['note']}"] if not m.get("pipeline", {}).get("curated", True) else []),
         f"source     {m['source']['id']}" + (f"@{m['source']['revision']}" if m['source'].get('revision') else "")
         + (f" seed={m['source']['seed']}" if m['source'].get('seed') is not None else ""),
         f"built      {m['created']} by aotbuild {m['aotbuild']}, torch {env['torch']}, {env['platform']}, "
@@ -462,8 +464,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         lines.append("runtime    static buckets replay as CUDA graphs")
     sizes = m.get("runtime", {}).get("default_pixels") or {}
     if sizes.get("served") != sizes.get("native"):
-        served = f"{sizes['served']}x{sizes['served']} px" if sizes.get("served") else "nothing (no square bucket)"
-        lines.append(f"default    pipe(prompt) without a size makes {served}: no variant covers the model's own "
+        served = f"{sizes['served']}x{sizes['served']} px" if sizes.get("served") else "nothing: pass height and width"
+        lines.append(f"default    pipe(prompt) without a size makes {served}: no variant covers the pipeline's own "
                      f"{sizes['native']}x{sizes['native']} px")
     return "\n".join(lines)
 

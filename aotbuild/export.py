@@ -125,10 +125,34 @@ def export_variant(module: torch.nn.Module, args: tuple, kwargs: dict, context: 
             raise BuildError(f"torch.export ({kind}shapes) failed for {type(module).__name__}: {exc}") from exc
 
 
+def input_dims(program: torch.export.ExportedProgram) -> list[list[int | str]]:
+    """Each tensor input's dims as the exported program takes them, in the call's leaf order: an
+    int where export made the dim static, its symbolic size where dynamic ("s0", "s0 + 512":
+    the relations between inputs that the compiled code assumes and AOTInductor never checks)."""
+    from torch.export.graph_signature import InputKind, TensorArgument
+
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    dims = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, TensorArgument):
+            value = placeholders[spec.arg.name].meta["val"]
+            dims.append([d if isinstance(d, int) else str(d.node.expr) for d in value.shape])
+    return dims
+
+
 def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> list:
     """AOTInductor compile of one exported program; returns the files to package."""
     args, kwargs = program.example_inputs
     graph = program.module(check_guards=False)
+    # Tensors the forward makes from Python data (Chroma's torch.tensor([0] * batch)) are lifted
+    # constants, plain attributes of the unlifted module, which AOTInductor would rename
+    # (_tensor_constant0): as buffers they keep the names the weights file stores them under.
+    for fqn, value in program.constants.items():
+        owner, _, attribute = fqn.rpartition(".")
+        module = graph.get_submodule(owner)
+        if isinstance(value, torch.Tensor) and attribute not in module._buffers:
+            delattr(module, attribute)
+            module.register_buffer(attribute, value, persistent=False)
     try:
         files = torch._inductor.aot_compile(graph, args, kwargs, options=dict(options))
     except Exception as exc:

@@ -2,12 +2,17 @@
 pipeline calls them, which attributes it reads from them, and which shapes they accept.
 
 Adding a pipeline means adding a `PipelineSpec` here; capture, export, runtime and target
-validation all read these descriptions. This module imports torch only.
+validation all read these descriptions. A diffusers pipeline class without an entry gets one
+derived from its component types (`derived_spec`): built by capture, and marked not curated.
+This module imports torch only (diffusers when a spec is derived).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +22,8 @@ import torch
 from .errors import TargetError
 
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
+# The text length a pipeline pads its prompt to (diffusers' call argument): a shape like the size.
+TEXT = "max_sequence_length"
 
 
 class VaeDecoderModule(torch.nn.Module):
@@ -125,8 +132,9 @@ class PipelineSpec:
     components: dict[str, ComponentSpec]
     pixel_stride: Callable[[dict[str, dict]], int]
     default_stride: int
-    # The pixel size the pipeline uses when a call gives no height/width.
-    default_pixels: Callable[[dict[str, dict]], int]
+    # The pixel size the pipeline uses when a call gives no height/width (None: read from the
+    # pipeline object, its `default_sample_size` or the denoiser's `sample_size`).
+    default_pixels: Callable[[dict[str, dict]], int] | None
     max_denoiser_batch: int | None = None
     # The denoiser sees 2 x images under classifier-free guidance (Flux is guidance-distilled: its
     # true CFG calls the transformer twice at the same batch).
@@ -139,8 +147,11 @@ class PipelineSpec:
     # an inpainting pipeline's image and mask.
     capture_extras: Callable[[int, int, int], dict[str, Any]] | None = None
     # What `encode_prompt` returns, named as the pipeline's call takes it back (None: not taken).
-    prompt_embeds: tuple[str | None, ...] = ("prompt_embeds", "negative_prompt_embeds",
-                                             "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    # (None: unknown, the capture calls the pipeline with the prompt, its text encoders on the device).
+    prompt_embeds: tuple[str | None, ...] | None = ("prompt_embeds", "negative_prompt_embeds",
+                                                    "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    # False: derived from the class by `derived_spec`, nothing about it written or tested here.
+    curated: bool = True
 
     def component(self, name: str) -> ComponentSpec:
         try:
@@ -281,11 +292,104 @@ for _text2img, _inpaint in (("StableDiffusionXLPipeline", "StableDiffusionXLInpa
     PIPELINES[_inpaint] = dataclasses.replace(PIPELINES[_text2img], class_name=_inpaint, capture_extras=_inpaint_extras)
 
 
+# What a manifest and a load say of a pipeline built from a derived spec.
+UNCURATED = ("built by capture: aotbuild has no entry for this pipeline class. Its denoiser and VAE were found from "
+             "the pipeline's component types, their inputs, shapes and guidance batching from the calls the pipeline "
+             "made at capture, and each compiled model was checked against eager on those calls. Nothing else was "
+             "tested by aotbuild: other calls (img2img or editing, LoRAs, another text length or scheduler) are "
+             "served only where they match a recorded signature, and refused otherwise")
+
+
 def pipeline_spec(class_name: str) -> PipelineSpec:
-    """The spec of a supported pipeline class; the error lists the supported ones."""
-    try:
-        return PIPELINES[class_name]
-    except KeyError:
+    """The spec of a pipeline class: its entry, else one derived from the diffusers class."""
+    spec = PIPELINES.get(class_name) or derived_spec(class_name)
+    if spec is None:
         raise TargetError(
-            f"pipeline {class_name!r} is not supported; supported: {', '.join(PIPELINES)}"
-        ) from None
+            f"pipeline {class_name!r} is neither one aotbuild knows ({', '.join(PIPELINES)}) nor a diffusers "
+            f"pipeline class with a transformer or unet to compile"
+        )
+    return spec
+
+
+@functools.cache
+def derived_spec(class_name: str) -> PipelineSpec | None:
+    """A spec for a diffusers pipeline class without an entry, from the model classes its
+    `__init__` names: the `transformer` or `unet` as the denoiser (called as the pipeline calls
+    it, `return_dict=False` pinned where it takes one), the `vae`'s decoder and encoder when it is
+    an `AutoencoderKL`. What the pipeline passes and how shapes and guidance batches follow the
+    call are found by capture, as for every pipeline. None: not such a class."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        return None
+    types = _component_types(cls)
+    attribute = next((a for a in ("transformer", "unet") if a in types), None)
+    if attribute is None:
+        return None
+    model = types[attribute]
+    takes_return_dict = "return_dict" in inspect.signature(model.forward).parameters
+    components = {attribute: dataclasses.replace(
+        UNET if attribute == "unet" else TRANSFORMER, name=attribute, attribute=attribute, read_attributes=(),
+        call_inputs=_forward_without_return_dict if takes_return_dict else _as_called,
+        output_class=_output_class(model.forward) if takes_return_dict else None)}
+    if issubclass(types.get("vae", type(None)), diffusers.AutoencoderKL):
+        components |= {"vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER}
+    packed = hasattr(cls, "_pack_latents")  # 2x2 latent patches per token, packed by the pipeline
+    return PipelineSpec(
+        class_name=class_name, components=components,
+        pixel_stride=_unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed),
+        default_stride=64 if attribute == "unet" else 16, default_pixels=None, prompt_embeds=None, curated=False)
+
+
+def _component_types(cls: type) -> dict[str, type]:
+    """The diffusers model class each `__init__` argument of a pipeline class names."""
+    from diffusers import ModelMixin
+
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except (NameError, TypeError):  # an annotation that does not resolve here
+        return {}
+    found = {}
+    for name, hint in hints.items():
+        for option in (hint, *typing.get_args(hint)):
+            if isinstance(option, type) and issubclass(option, ModelMixin):
+                found[name] = option
+                break
+    return found
+
+
+def _output_class(forward: Callable) -> str | None:
+    """Dotted path of the `BaseOutput` class a forward's return annotation names, if any."""
+    from diffusers.utils import BaseOutput
+
+    try:
+        hint = typing.get_type_hints(forward).get("return")
+    except (NameError, TypeError):
+        return None
+    for option in (hint, *typing.get_args(hint)):
+        if isinstance(option, type) and issubclass(option, BaseOutput):
+            return f"{option.__module__}.{option.__qualname__}"
+    return None
+
+
+def _as_called(args: tuple, kwargs: dict) -> CallInputs:
+    return tuple(args), dict(kwargs)
+
+
+def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
+    patch = configs["transformer"].get("patch_size") or 1
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # (frames, height, width) patches
+    # A VAE whose config does not say its factor (not an AutoencoderKL): the common 8; a size the
+    # pipeline cannot take fails its capture, naming the size.
+    factor = _vae_factor(configs) if "block_out_channels" in configs.get("vae", {}) else 8
+    return factor * patch * (2 if packed else 1)
+
+
+def default_text_length(class_name: str) -> int | None:
+    """The text length a pipeline class pads its prompt to by default (its call's
+    `max_sequence_length`), or None when its call takes no such argument."""
+    import diffusers
+
+    parameter = inspect.signature(getattr(diffusers, class_name).__call__).parameters.get(TEXT)
+    return parameter.default if parameter is not None and isinstance(parameter.default, int) else None

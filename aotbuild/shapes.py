@@ -9,25 +9,41 @@ A dim is one of:
   {"axis": "height"|"width", "pixels": f, "multiple": m}
                                         pixels / f, a multiple of m (m = stride / f)
   {"axis": "tokens", "min": a, "max": b}
-                                        a sequence over height x width (Flux's packed latents)
+                                        a sequence over height x width (Flux's packed latents), or
+                                        over the text and the image (Chroma's attention mask)
+  {"axis": "max_sequence_length", "min": a, "max": b}
+                                        a sequence over the text length (the prompt's tokens)
+
+A dynamic dim also records its size in the exported program ("expr": "s0", "s0 + 512"): the
+relations between inputs that the compiled code assumes (Chroma's attention mask spans the text
+and the image tokens), checked at every call by `relations_hold`.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .errors import BuildError
+from .pipelines import TEXT
 
 AXES = ("batch", "height", "width")
+SEQUENCES = ("tokens", TEXT)  # dims that are a sequence's length, not a multiple of an axis
 
 
-def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, int, int]]:
-    """(batch, height, width) points to capture: a base point away from 1 and from the range edges
-    where possible (export specializes a dim of size 1), and one point per axis moving that axis."""
+def axes_of(ranges: dict[str, Any]) -> tuple[str, ...]:
+    """The axes a range spans: batch, height, width and, where it has one, the text length."""
+    return AXES + ((TEXT,) if TEXT in ranges else ())
+
+
+def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, ...]]:
+    """Points to capture, as sizes along `axes_of(ranges)`: a base point away from 1 and from the
+    range edges where possible (export specializes a dim of size 1), and one point per axis
+    moving that axis."""
 
     def two_values(low: int, high: int, step: int) -> tuple[int, int]:
         values = list(range(low, high + 1, step))
@@ -37,33 +53,35 @@ def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[i
         other = next((v for v in others if v != 1), others[0] if others else base)
         return base, other
 
-    b0, b1 = two_values(*ranges["batch"], 1)
-    h0, h1 = two_values(*ranges["height"], stride)
-    w0, w1 = two_values(*ranges["width"], stride)
-    return {"base": (b0, h0, w0), "batch": (b1, h0, w0), "height": (b0, h1, w0), "width": (b0, h0, w1)}
+    axes = axes_of(ranges)
+    pairs = [two_values(*ranges[a], stride if a in ("height", "width") else 1) for a in axes]
+    base = tuple(pair[0] for pair in pairs)
+    return {"base": base, **{a: base[:i] + (pairs[i][1],) + base[i + 1:] for i, a in enumerate(axes)}}
 
 
-def range_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, int, int]]:
-    """The range's "min" and "max" corners and its `probe_points`, as (batch, height, width)."""
-    corners = {corner: tuple(ranges[a][i] for a in AXES) for i, corner in enumerate(("min", "max"))}
+def range_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, ...]]:
+    """The range's "min" and "max" corners and its `probe_points`, as sizes along `axes_of(ranges)`."""
+    corners = {corner: tuple(ranges[a][i] for a in axes_of(ranges)) for i, corner in enumerate(("min", "max"))}
     return {**corners, **probe_points(ranges, stride)}
 
 
 def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[int]]],
-             points: dict[str, tuple[int, int, int]], stride: int) -> list[list[Any]]:
-    """Per tensor leaf, per dim: how it follows (batch, height, width).
+             points: dict[str, tuple[int, ...]], stride: int) -> list[list[Any]]:
+    """Per tensor leaf, per dim: how it follows the batch, height, width (and text length).
 
     Args:
-        probes: leaf shapes captured at each of `points` ("base", "batch", "height", "width").
-        corners: leaf shapes at the range's "min" and "max" corners (for token ranges).
-        points: the (batch, height, width) of each probe.
+        probes: leaf shapes captured at each of `points` ("base" and one per axis).
+        corners: leaf shapes at the range's "min" and "max" corners (for sequence ranges).
+        points: the sizes of each probe along the axes (`axes_of`).
         stride: the pipeline's pixel stride.
     """
+    axes = [axis for axis in (*AXES, TEXT) if axis in probes]
     result = []
     for leaf, base_shape in enumerate(probes["base"]):
         dims: list[Any] = []
         for d, value in enumerate(base_shape):
-            moved = [axis for axis in AXES if probes[axis][leaf][d] != value]
+            moved = [axis for axis in axes if probes[axis][leaf][d] != value]
+            sequence = {"min": corners["min"][leaf][d], "max": corners["max"][leaf][d]}
             if not moved:
                 dims.append(value)
             elif moved == ["batch"]:
@@ -73,9 +91,11 @@ def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[in
                 try:
                     dims.append(_proportional(value, probes[moved[0]][leaf][d], points, index, moved[0], stride))
                 except BuildError:  # e.g. Flux tokens when the other axis is fixed: a sequence, not a size
-                    dims.append({"axis": "tokens", "min": corners["min"][leaf][d], "max": corners["max"][leaf][d]})
-            elif moved == ["height", "width"]:
-                dims.append({"axis": "tokens", "min": corners["min"][leaf][d], "max": corners["max"][leaf][d]})
+                    dims.append({"axis": "tokens", **sequence})
+            elif moved == [TEXT]:
+                dims.append({"axis": TEXT, **sequence})
+            elif "batch" not in moved:  # image tokens, or text and image tokens in one sequence
+                dims.append({"axis": "tokens", **sequence})
             else:
                 raise BuildError(f"input {leaf} dim {d} changes with {' and '.join(moved)}: no dynamic form for that")
         result.append(dims)
@@ -136,7 +156,7 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, di
     def dim_expr(dim: Any) -> Any:
         if dim["axis"] == "batch":
             return root("batch") * dim["factor"] if dim["factor"] != 1 else root("batch")
-        if dim["axis"] == "tokens":
+        if dim["axis"] in SEQUENCES:
             if tokens is not None:
                 return tokens
             key = (dim["min"], dim["max"])
@@ -169,8 +189,8 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
             if isinstance(dim, int):
                 if value != dim:
                     return None
-            elif dim["axis"] == "tokens":
-                key = ("tokens", dim["min"], dim["max"])
+            elif dim["axis"] in SEQUENCES:
+                key = (dim["axis"], dim["min"], dim["max"])
                 if not dim["min"] <= value <= dim["max"] or found.setdefault(key, value) != value:
                     return None
             else:
@@ -186,3 +206,54 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
         if not low <= size <= high or (axis != "batch" and size % stride):
             return None
     return sizes
+
+
+_TERM = re.compile(r"([+-]?)\s*((?:\d+|[A-Za-z_]\w*)(?:\s*\*\s*(?:\d+|[A-Za-z_]\w*))*)\s*")
+
+
+def polynomial(expr: str) -> list[tuple[int, tuple[str, ...]]] | None:
+    """A symbolic size ("s0 + 512", "2*s1", "s0*s1 - 1") as (coefficient, symbols) terms; None
+    when it is not a sum of products of integers and symbols (a floor division, say)."""
+    terms, position, text = [], 0, expr.strip()
+    while position < len(text):
+        match = _TERM.match(text, position)
+        if match is None or (position and not match.group(1)):
+            return None
+        coefficient, symbols = -1 if match.group(1) == "-" else 1, []
+        for factor in re.split(r"\s*\*\s*", match.group(2)):
+            if factor.isdigit():
+                coefficient *= int(factor)
+            else:
+                symbols.append(factor)
+        terms.append((coefficient, tuple(sorted(symbols))))
+        position = match.end()
+    return terms or None
+
+
+def relations_hold(dims: list[list[Any]], shapes: list[list[int]]) -> bool:
+    """Whether a call's tensor shapes meet the relations the exported program assumes between its
+    dynamic dims (their "expr"): each symbol is solved from a dim of one symbol (`k*s + c`), and
+    every dim must then equal its expression. A symbol no such dim gives cannot be checked:
+    False, as the build refuses such a program. Dims without an expression (artifacts built
+    before relations were recorded) are not checked."""
+    sized = [(polynomial(dim["expr"]), size) for leaf_dims, shape in zip(dims, shapes, strict=True)
+             for dim, size in zip(leaf_dims, shape, strict=True) if isinstance(dim, dict) and "expr" in dim]
+    bound: dict[str, int] = {}
+    for terms, size in sized:
+        variable = [(k, symbols) for k, symbols in terms or () if symbols]
+        if len(variable) == 1 and len(variable[0][1]) == 1:
+            (k, (symbol,)), constant = variable[0], sum(k for k, symbols in terms if not symbols)
+            value, remainder = divmod(size - constant, k)
+            if remainder or bound.setdefault(symbol, value) != value:
+                return False
+    for terms, size in sized:
+        if terms is None or any(symbol not in bound for _, symbols in terms for symbol in symbols):
+            return False
+        total = 0
+        for coefficient, symbols in terms:
+            for symbol in symbols:
+                coefficient *= bound[symbol]
+            total += coefficient
+        if total != size:
+            return False
+    return True

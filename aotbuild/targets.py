@@ -17,7 +17,7 @@ import torch
 from .errors import SourceError, TargetError
 from .export import PROFILES, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
-from .pipelines import pipeline_spec
+from .pipelines import TEXT, default_text_length, pipeline_spec
 
 DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
@@ -38,14 +38,17 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 @dataclass(frozen=True)
 class ShapeBucket:
-    """A static shape: images per prompt and pixel size. Guidance doubles the denoiser batch."""
+    """A static shape: images per prompt, pixel size and, where the pipeline's call takes it, the
+    text length (None: the pipeline's default). Guidance doubles the denoiser batch."""
 
     batch: int
     height: int
     width: int
+    max_sequence_length: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.batch}x{self.height}x{self.width}"
+        text = f"/text{self.max_sequence_length}" if self.max_sequence_length else ""
+        return f"{self.batch}x{self.height}x{self.width}{text}"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Target:
     guidance_scale: float = 5.0  # the guidance of the guided captures
     guidance: str = "both"  # GUIDANCE_MODES
     tiling: tuple[str, ...] = ()  # VAE parts that get a tile variant (vae.enable_tiling())
-    dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width": [min, max]}
+    dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width"[|TEXT]: [min, max]}
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
@@ -93,7 +96,7 @@ class Target:
         """The resolved target as plain JSON data (no paths of this machine)."""
         data = asdict(self)
         data.pop("base_dir")
-        data["shapes"] = [asdict(s) for s in self.shapes]
+        data["shapes"] = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.shapes]
         data["components"] = list(self.components)
         data["tiling"] = list(self.tiling)
         if self.compile_mode == "whole":  # the default leaves the hashes of whole-model targets as they were
@@ -257,13 +260,17 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
+    text_length = default_text_length(spec.class_name)
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"
-        _expect(origin, where, table, dict, "a table {batch, height, width}")
-        if set(table) != {"batch", "height", "width"}:
-            raise TargetError(f"{origin}: key {where!r} needs exactly batch, height, width; got {sorted(table)}")
-        for dim in ("batch", "height", "width"):
+        _expect(origin, where, table, dict, "a table {batch, height, width[, max_sequence_length]}")
+        if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT}:
+            raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally {TEXT}); "
+                              f"got {sorted(table)}")
+        if TEXT in table:
+            _check_takes_text(origin, f"{where}.{TEXT}", spec, text_length)
+        for dim in sorted(set(table)):
             value = _expect(origin, f"{where}.{dim}", table[dim], int, "a positive integer")
             if value <= 0:
                 raise TargetError(f"{origin}: key '{where}.{dim}' must be positive, got {value}")
@@ -279,7 +286,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
-    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode) if "dynamic" in raw else None
+    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode, text_length) if "dynamic" in raw \
+        else None
     for axis in ("height", "width"):
         if dynamic:
             _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
@@ -334,13 +342,23 @@ def _check_largest(origin: str, key: str, pixels: int, largest: int | None, spec
                           f"{spec.class_name}'s position embedding covers (pos_embed_max_size x patch x VAE factor)")
 
 
-def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str) -> dict[str, list[int]]:
-    """[dynamic] batch/height/width = [min, max], in images and pixels."""
-    _expect(origin, "dynamic", table, dict, "a table {batch, height, width}")
-    if set(table) != {"batch", "height", "width"}:
-        raise TargetError(f"{origin}: key 'dynamic' needs exactly batch, height, width; got {sorted(table)}")
+def _check_takes_text(origin: str, key: str, spec: Any, default: int | None) -> None:
+    if default is None:
+        raise TargetError(f"{origin}: key {key!r}: {spec.class_name}'s call takes no {TEXT}, so its text length "
+                          f"is not a shape to choose")
+
+
+def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str,
+                   text_length: int | None) -> dict[str, list[int]]:
+    """[dynamic] batch/height/width[/max_sequence_length] = [min, max], in images, pixels, tokens."""
+    _expect(origin, "dynamic", table, dict, "a table {batch, height, width[, max_sequence_length]}")
+    if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT}:
+        raise TargetError(f"{origin}: key 'dynamic' needs batch, height, width (and optionally {TEXT}); "
+                          f"got {sorted(table)}")
+    if TEXT in table:
+        _check_takes_text(origin, f"dynamic.{TEXT}", spec, text_length)
     ranges = {}
-    for axis in ("batch", "height", "width"):
+    for axis in [a for a in ("batch", "height", "width", TEXT) if a in table]:
         value = table[axis]
         if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
                                                                     for v in value)):
@@ -348,7 +366,7 @@ def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: st
         low, high = value
         if not 1 <= low <= high:
             raise TargetError(f"{origin}: key 'dynamic.{axis}' = {value} needs 1 <= min <= max")
-        if axis != "batch":
+        if axis in ("height", "width"):
             for bound in value:
                 if bound % stride:
                     raise TargetError(f"{origin}: key 'dynamic.{axis}' bound {bound} is not a multiple of {stride}, "
@@ -360,7 +378,6 @@ def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: st
             f"{origin}: key 'dynamic.batch' max {ranges['batch'][1]} gives a denoiser batch of "
             f"{factor * ranges['batch'][1]}; {spec.class_name}'s must stay <= {spec.max_denoiser_batch} "
             f"(diffusers' upsampling takes another path from batch 64)")
-    if ranges["height"] == [ranges["height"][0]] * 2 and ranges["width"] == [ranges["width"][0]] * 2 \
-            and ranges["batch"][0] == ranges["batch"][1]:
+    if all(low == high for low, high in ranges.values()):
         raise TargetError(f"{origin}: key 'dynamic' covers a single shape; make it a [[shapes]] bucket")
     return ranges

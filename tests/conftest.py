@@ -45,10 +45,10 @@ def eager_pipeline(target, seed: int | None = None):
     return _load_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
 
 
-def generate(pipe, bucket, steps: int = 2, seed: int = 0):
+def generate(pipe, bucket, steps: int = 2, seed: int = 0, **call):
     return pipe("a red fox in the snow", num_inference_steps=steps, height=bucket.height, width=bucket.width,
                 num_images_per_prompt=bucket.batch, guidance_scale=5.0, output_type="np",
-                generator=torch.Generator("cpu").manual_seed(seed)).images
+                generator=torch.Generator("cpu").manual_seed(seed), **call).images
 
 
 _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target compiles once per session
@@ -57,9 +57,9 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # Each list is in the order the tests first need them; `build_once` waits on a target's build
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
 PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
-              "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm"),
+              "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
-              "cpu-tiny-sd15-regional"))
+              "cpu-tiny-sd15-regional", "cpu-tiny-auraflow"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

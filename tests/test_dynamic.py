@@ -8,10 +8,10 @@ import pytest
 
 import aotbuild
 from aotbuild.errors import ShapeNotSupportedError, TargetError
-from aotbuild.shapes import classify, infer_size, probe_points
+from aotbuild.shapes import classify, infer_size, polynomial, probe_points, relations_hold
 from aotbuild.targets import ShapeBucket, load_target
 
-from .conftest import TARGETS, eager_pipeline, generate
+from .conftest import TARGETS, build_once, eager_pipeline, generate
 from .test_targets import GOOD, write_target
 
 RANGES = {"batch": [1, 3], "height": [32, 96], "width": [32, 96]}
@@ -61,7 +61,10 @@ def test_runtime_size_check(shape, expected):
     ("[dynamic]\nbatch = [3, 2]\nheight = [32, 64]\nwidth = [32, 64]\n",
      r"'dynamic.batch' = \[3, 2\] needs 1 <= min <= max"),
     ("[dynamic]\nbatch = [1, 40]\nheight = [32, 64]\nwidth = [32, 64]\n", r"denoiser batch of 80.*<= 63"),
-    ("[dynamic]\nbatch = [1, 2]\nheight = [32, 64]\n", r"'dynamic' needs exactly batch, height, width"),
+    ("[dynamic]\nbatch = [1, 2]\nheight = [32, 64]\n", r"'dynamic' needs batch, height, width \(and optionally "
+     r"max_sequence_length\)"),
+    ("[dynamic]\nbatch = [1, 2]\nheight = [32, 64]\nwidth = [32, 64]\nmax_sequence_length = [77, 77]\n",
+     r"'dynamic.max_sequence_length': StableDiffusionXLPipeline's call takes no max_sequence_length"),
     ("[dynamic]\nbatch = 2\nheight = [32, 64]\nwidth = [32, 64]\n", r"'dynamic.batch' must be \[min, max\]"),
 ])
 def test_invalid_ranges_are_target_errors(tmp_path, extra, message):
@@ -95,7 +98,65 @@ def test_just_outside_the_range_is_refused(built, bucket):
 
 def test_flux_target_declares_a_dynamic_range():
     target = load_target(TARGETS / "cpu-tiny-flux.toml")
-    assert target.dynamic == {"batch": [1, 2], "height": [32, 96], "width": [32, 96]} and target.stride == 4
+    assert target.dynamic == {"batch": [1, 2], "height": [32, 96], "width": [32, 96],
+                              "max_sequence_length": [128, 512]} and target.stride == 4
+
+
+def test_text_length_classifies_as_its_own_sequence_and_joins_image_tokens():
+    """A dim that follows the text length alone is a text sequence (Flux's T5 tokens); one that
+    follows it and the size is one sequence of both (Chroma's attention mask)."""
+    ranges = {**RANGES, "max_sequence_length": [128, 512]}
+    points = probe_points(ranges, 4)
+    assert points["max_sequence_length"][:3] == points["base"][:3] != points["max_sequence_length"]
+
+    def shapes(b, h, w, text):  # T5 tokens, text ids, a mask over text + image tokens
+        return [[b, text, 32], [text, 3], [b, text + (h // 4) * (w // 4)]]
+
+    probes = {name: shapes(*p) for name, p in points.items()}
+    corners = {"min": shapes(1, 32, 32, 128), "max": shapes(3, 96, 96, 512)}
+    dims = classify(probes, corners, points, stride=4)
+    text = {"axis": "max_sequence_length", "min": 128, "max": 512}
+    assert dims == [[{"axis": "batch", "factor": 1}, text, 32], [text, 3],
+                    [{"axis": "batch", "factor": 1}, {"axis": "tokens", "min": 128 + 64, "max": 512 + 576}]]
+
+
+@pytest.mark.parametrize(("sizes", "holds"), [
+    ([[2, 100], [2, 100 + 512], [4, 3]], True),
+    ([[2, 100], [2, 100 + 511], [4, 3]], False),   # a mask that is not image tokens + 512
+    ([[2, 100], [3, 100 + 512], [4, 3]], False),   # two batches where the program has one
+    ([[2, 100], [2, 100 + 512], [6, 3]], True),    # 2*s2: s2 = 3
+    ([[2, 100], [2, 100 + 512], [5, 3]], False),   # odd: not 2*s2
+])
+def test_relations_the_exported_program_assumes_are_checked(sizes, holds):
+    dims = [[{"axis": "batch", "factor": 1, "expr": "s0"}, {"axis": "tokens", "min": 64, "max": 576, "expr": "s1"}],
+            [{"axis": "batch", "factor": 1, "expr": "s0"}, {"axis": "tokens", "min": 576, "max": 1088,
+                                                            "expr": "s1 + 512"}],
+            [{"axis": "batch", "factor": 2, "expr": "2*s2"}, 3]]
+    assert relations_hold(dims, sizes) is holds
+
+
+def test_relations_aotbuild_cannot_check_are_refused():
+    assert polynomial("((s0//2))") is None
+    assert not relations_hold([[{"axis": "tokens", "min": 1, "max": 9, "expr": "s0 + s1"}]], [[5]])
+
+
+@pytest.mark.slow
+def test_text_length_is_a_shape(tmp_path_factory):
+    """cpu-tiny-flux's dynamic model spans max_sequence_length 128-512 (its bucket: the default
+    512): Schnell's 256 and any length inside run compiled == eager; one outside is refused,
+    naming the text length and what was compiled."""
+    target = load_target(TARGETS / "cpu-tiny-flux.toml")
+    pipe = aotbuild.load_pipeline(build_once(tmp_path_factory, target).folder)
+    eager = eager_pipeline(target)
+    for bucket, text, variant in ((ShapeBucket(2, 64, 64), 256, "dynamic"), (ShapeBucket(1, 48, 80), 128, "dynamic"),
+                                  (ShapeBucket(1, 32, 96), 300, "dynamic"), (ShapeBucket(2, 64, 64), 512, "b2_64x64")):
+        images = generate(pipe, bucket, max_sequence_length=text)
+        assert pipe.transformer.last_variant == variant
+        np.testing.assert_allclose(images, generate(eager, bucket, max_sequence_length=text), atol=1e-4, rtol=0)
+    with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 100 \(max_sequence_length=100\) in "
+                                                     r"this call; compiled: 128-512, 512; this artifact covers: 64x64 "
+                                                     r"px, 1-2 images, text length 512; "):
+        generate(pipe, ShapeBucket(1, 64, 64), max_sequence_length=100)
 
 
 def test_probe_moves_batch_even_when_the_only_other_value_is_one():

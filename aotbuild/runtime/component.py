@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
-from ..pipelines import pipeline_spec
+from ..pipelines import TEXT, pipeline_spec
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
@@ -390,19 +390,37 @@ def variant_coverage(entry: dict[str, Any]) -> str:
         d = entry["dynamic"]
         return (f"tiles up to {d['height'][1]}x{d['width'][1]} px (multiples of {d['stride']} px), "
                 f"{_images(*d['batch'])}")
+    lengths = text_lengths(entry)
+    text = "" if lengths is None else ", text length " + (
+        str(lengths[0]) if lengths[0] == lengths[1] else f"{lengths[0]}-{lengths[1]}")
     if "dynamic" in entry:
         d = entry["dynamic"]
         return (f"{d['height'][0]}-{d['height'][1]}x{d['width'][0]}-{d['width'][1]} px (multiples of {d['stride']}), "
-                f"{_images(*d['batch'])}{suffix}")
+                f"{_images(*d['batch'])}{text}{suffix}")
     b = entry["bucket"]
-    return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{suffix}"
+    return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{text}{suffix}"
 
 
-def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, guided: bool) -> bool:
+def text_lengths(entry: dict[str, Any]) -> tuple[int, int] | None:
+    """The text lengths (`max_sequence_length`) a variant was compiled for, as (min, max); None
+    when its pipeline takes none, or for an artifact built before text length was a shape."""
+    if "dynamic" in entry:
+        lengths = entry["dynamic"].get(TEXT)
+        return (lengths[0], lengths[1]) if lengths else None
+    length = entry.get("bucket", {}).get(TEXT)
+    return (length, length) if length else None
+
+
+def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, guided: bool,
+                   text: int | None = None) -> bool:
     """Whether a denoiser variant serves a pipeline call of `images` at height x width pixels,
-    with guidance or without: what `variant_coverage` says, as a test."""
+    with guidance or without, at text length `text` (None: the pipeline's default, or it takes
+    none): what `variant_coverage` says, as a test."""
     guidance = entry.get("guidance")
     if entry.get("tile") or (guidance is not None and ("guided" if guided else "unguided") not in guidance):
+        return False
+    lengths = text_lengths(entry)
+    if text is not None and lengths is not None and not lengths[0] <= text <= lengths[1]:
         return False
     if "dynamic" in entry:
         d = entry["dynamic"]
@@ -459,6 +477,12 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
     if call is not None:
         name, values = call
         asked = f" ({name}({', '.join(f'{k}={v!r}' for k, v in values.items() if v is not None)}))"
+        text = values.get(TEXT)
+        lengths = [text_lengths(v.entry) for v in variants]
+        if text is not None and all(r is not None and not r[0] <= text <= r[1] for r in lengths):
+            compiled = ", ".join(sorted({str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}" for r in lengths}))
+            return (f"{component}: text length {text} ({TEXT}={text}) in this call; compiled: {compiled}; "
+                    f"this artifact covers: {covered}")
         guidance = {g for v in variants for g in v.entry.get("guidance", ())}
         scale = values.get("guidance_scale")
         if guidance and scale is not None:
@@ -486,7 +510,7 @@ def pipeline_call() -> tuple[str, dict[str, Any]] | None:
     while frame is not None:
         owner = frame.f_locals.get("self")
         if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
-            names = ("height", "width", "num_images_per_prompt", "guidance_scale")
+            names = ("height", "width", "num_images_per_prompt", "guidance_scale", TEXT)
             return type(owner).__name__, {k: frame.f_locals.get(k) for k in names}
         frame = frame.f_back
     return None

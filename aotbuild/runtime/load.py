@@ -146,6 +146,9 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     modules: dict[str, Any] = {}
     parts: dict[str, tuple[dict, dict[str, CompiledComponent]]] = {}
     spec = pipeline_spec(manifest["target"]["pipeline"])
+    if not manifest.get("pipeline", {}).get("curated", True):
+        warnings.warn(f"aotbuild: {spec.class_name} was {manifest['pipeline']['note']}", UncuratedPipelineWarning,
+                      stacklevel=3)
     recipe = manifest["target"]["optimize"].get("quantize")
     with open_artifact_files(folder, manifest, verify=verify) as files:
         for name, entry in manifest["components"].items():
@@ -178,6 +181,10 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         modules[attribute] = autoencoder_class()(config, found)
     _serve_default_size(manifest, modules)
     return manifest, modules
+
+
+class UncuratedPipelineWarning(UserWarning):
+    """The artifact's pipeline class has no aotbuild entry: it was built by capture."""
 
 
 def _served_default(manifest: dict[str, Any]) -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
-from ..shapes import infer_size
+from ..shapes import infer_size, relations_hold
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
 from .weights import Lender, bindable, dtype_name
@@ -180,8 +180,8 @@ class CompiledVariant:
             tensors = [(list(leaf.shape), e["dims"]) for (_, leaf), e in zip(leaves, self.inputs, strict=True)
                        if isinstance(leaf, torch.Tensor)]
             ranges = {**self.entry.get("dynamic", {}), "batch": self.entry.get("call_batch")}
-            return infer_size([d for _, d in tensors], [s for s, _ in tensors], ranges,
-                              ranges.get("stride", 1)) is not None
+            dims, sizes = [d for _, d in tensors], [s for s, _ in tensors]
+            return infer_size(dims, sizes, ranges, ranges.get("stride", 1)) is not None and relations_hold(dims, sizes)
         return True
 
     def run(self, leaves: list[tuple[str, Any]]) -> Any:

@@ -1,0 +1,149 @@
+"""Pipelines aotbuild has no entry for, built by capture (`pipelines.derived_spec`): PixArt-Sigma,
+AuraFlow and Chroma, each compiled against eager with the same seeds at every bucket and across
+its dynamic range, guided and not, with the default call; what is not curated is said in the
+manifest, by `inspect` and at load; and the shape relations export assumed are checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+import aotbuild
+from aotbuild.builder import build
+from aotbuild.errors import BuildError, ShapeNotSupportedError
+from aotbuild.pipelines import UNCURATED
+from aotbuild.runtime.load import UncuratedPipelineWarning
+from aotbuild.targets import ShapeBucket, load_target
+
+from .conftest import TARGETS, build_once, eager_pipeline
+
+pytestmark = pytest.mark.slow
+ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~1e-6
+PROMPT = "a red fox in the snow"
+FAMILIES = ("cpu-tiny-pixart-sigma", "cpu-tiny-auraflow", "cpu-tiny-chroma")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(target, build, compiled pipeline, eager pipeline), once per family."""
+    target = load_target(TARGETS / f"{request.param}.toml")
+    built = build_once(tmp_path_factory, target)
+    with pytest.warns(UncuratedPipelineWarning, match=f"{target.pipeline} was built by capture"):
+        compiled = aotbuild.load_pipeline(built.folder)
+    return target, built, compiled, eager_pipeline(target)
+
+
+def run(pipe, **call):
+    call = {"num_inference_steps": 2, "output_type": "np", **call}
+    return pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images
+
+
+def both(family, **call):
+    _, _, compiled, eager = family
+    got, want = run(compiled, **call), run(eager, **call)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    return got
+
+
+def test_compiled_matches_eager_at_every_bucket_and_across_the_range(family):
+    """Guided and unguided, one image and the most each variant serves, at each bucket, at the
+    dynamic range's corners and at a size inside it of another aspect."""
+    target, _, compiled, _ = family
+    sizes = [(b.batch, b.height, b.width, f"b{b.batch}_{b.height}x{b.width}") for b in target.shapes]
+    if target.dynamic:
+        d, stride = target.dynamic, target.stride
+        sizes += [(d["batch"][1], d["height"][0], d["width"][1], "dynamic"),
+                  (d["batch"][0], d["height"][1] - stride, d["width"][0] + stride, "dynamic")]
+    for images, height, width, variant in sizes:
+        for guidance_scale in (target.guidance_scale, 1.0):
+            for count in sorted({1, images}):
+                both(family, height=height, width=width, num_images_per_prompt=count, guidance_scale=guidance_scale)
+                assert compiled.transformer.last_variant == compiled.vae.last_variant == variant
+
+
+def test_what_is_not_curated_is_said(family):
+    """The manifest, `aotbuild inspect` and the load (an `UncuratedPipelineWarning`, checked by the
+    fixture) say the artifact was built by capture and what that did not test."""
+    from .test_cli import invoke
+
+    _, built, _, _ = family
+    assert built.manifest["pipeline"] == {"curated": False, "note": UNCURATED}
+    assert f"pipeline   {UNCURATED}\n" in invoke("inspect", str(built.folder)).output
+
+
+def test_the_default_call(family):
+    """`pipe(prompt)` makes the size the build recorded as served, as eager makes it at that size;
+    where the call's signature fixes a size no variant covers (AuraFlow's 1024), it is refused."""
+    _, built, compiled, eager = family
+    sizes = built.manifest["runtime"]["default_pixels"]
+    if sizes["served"] is None:
+        with pytest.raises(ShapeNotSupportedError, match=rf"\(height={sizes['native']}, width={sizes['native']}, "):
+            run(compiled)
+        return
+    got = run(compiled)
+    want = run(eager, height=sizes["served"], width=sizes["served"])
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_more_images_than_compiled_are_refused_in_the_calls_terms(family):
+    target, _, compiled, _ = family
+    most = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
+    bucket = target.shapes[0]
+    with pytest.raises(ShapeNotSupportedError, match=rf"num_images_per_prompt={most + 1}.*this artifact covers: "
+                                                     rf"{bucket.height}x{bucket.width} px"):
+        run(compiled, height=bucket.height, width=bucket.width, num_images_per_prompt=most + 1)
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    target = load_target(TARGETS / "cpu-tiny-chroma.toml")
+    built = build_once(tmp_path_factory, target)
+    with pytest.warns(UncuratedPipelineWarning):
+        return target, aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+
+
+def test_a_call_breaking_a_relation_export_assumed_is_refused(chroma):
+    """Chroma's attention mask spans the text and the image tokens: the dynamic model was exported
+    assuming mask length = image tokens + 512 ("s0 + 512" in its entry), which the compiled code
+    never checks. A direct call whose mask does not span both is refused, not run."""
+    _, compiled, _ = chroma
+    entry = next(v.entry for v in compiled.transformer.variants if v.entry["name"] == "dynamic")
+    mask = next(leaf for leaf in entry["inputs"] if leaf["path"] == "attention_mask")
+    tokens = next(leaf for leaf in entry["inputs"] if leaf["path"] == "hidden_states")
+    assert mask["dims"][1]["expr"] == f"{tokens['dims'][1]['expr']} + 512"
+    image_tokens = 144  # 48 x 48 px
+    call = {"hidden_states": torch.randn(1, image_tokens, 16), "timestep": torch.tensor([0.5]),
+            "encoder_hidden_states": torch.randn(1, 512, 32), "txt_ids": torch.zeros(512, 3),
+            "img_ids": torch.zeros(image_tokens, 3), "return_dict": False}
+    compiled.transformer(**call, attention_mask=torch.ones(1, 512 + image_tokens))  # consistent: runs
+    with pytest.raises(ShapeNotSupportedError, match="no compiled variant for this call"):
+        compiled.transformer(**call, attention_mask=torch.ones(1, 512 + image_tokens + 16))
+
+
+def test_chroma_img2img_through_from_pipe(chroma):
+    """ChromaImg2ImgPipeline.from_pipe keeps the compiled transformer and VAE (derived too)."""
+    target, compiled, eager = chroma
+    image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    call = {"image": diffusers.utils.numpy_to_pil(image / 255.0)[0], "strength": 0.6, "height": 64, "width": 64}
+    got = run(diffusers.ChromaImg2ImgPipeline.from_pipe(compiled), **call)
+    want = run(diffusers.ChromaImg2ImgPipeline.from_pipe(eager), **call)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_a_size_export_fixed_fails_the_build_naming_the_call(tmp_path):
+    """ChromaTransformer2DModel makes torch.tensor([0] * batch): export turns it into a constant
+    of the example's batch while calling the batch dynamic. A bucket of 2 images (one model for 1
+    and 2) is refused at build, naming the call it cannot run, before any code is compiled."""
+    target = load_target(TARGETS / "cpu-tiny-chroma.toml")
+    target = dataclasses.replace(target, name="chroma-two", shapes=(ShapeBucket(2, 64, 64),), dynamic=None,
+                                 components=("transformer",))
+    with pytest.raises(BuildError, match=r"transformer b2_64x64: the exported program cannot run the call at "
+                                         r"b2_64x64:one .*torch.export fixed a size that this call changes"):
+        build(target, tmp_path)
+    assert not any((tmp_path / "chroma-two").glob("*"))
+    shutil.rmtree(tmp_path, ignore_errors=True)
