@@ -47,6 +47,7 @@ def targets(targets_dir: Path | None) -> None:
         shapes = ",".join(str(s) for s in t.shapes)
         if t.dynamic:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
+            shapes += "/text{}-{}".format(*t.dynamic[TEXT]) if TEXT in t.dynamic else ""
         runtime = (["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
                    + ["regional"] * (t.compile_mode == "regional"))
         runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")

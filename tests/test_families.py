@@ -1,7 +1,8 @@
 """Pipelines aotbuild has no entry for, built by capture (`pipelines.derived_spec`): PixArt-Sigma,
-AuraFlow and Chroma, each compiled against eager with the same seeds at every bucket and across
-its dynamic range, guided and not, with the default call; what is not curated is said in the
-manifest, by `inspect` and at load; and the shape relations export assumed are checked."""
+AuraFlow, Chroma and Flux.2 Klein (Qwen3 text encoder, its own VAE eager), each compiled against
+eager with the same seeds at every bucket and across its dynamic range (text lengths included),
+guided and not, with the default call and LoRAs; what is not curated is said in the manifest, by
+`inspect` and at load; and the shape relations export assumed are checked."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from aotbuild.pipelines import UNCURATED
 from aotbuild.runtime.load import UncuratedPipelineWarning
 from aotbuild.targets import ShapeBucket, load_target
 
-from .conftest import TARGETS, build_once, eager_pipeline
+from .conftest import TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~1e-6
 PROMPT = "a red fox in the snow"
-FAMILIES = ("cpu-tiny-pixart-sigma", "cpu-tiny-auraflow", "cpu-tiny-chroma")
+FAMILIES = ("cpu-tiny-pixart-sigma", "cpu-tiny-auraflow", "cpu-tiny-chroma", "cpu-tiny-flux2-klein")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -40,7 +41,7 @@ def family(request, tmp_path_factory):
 
 def run(pipe, **call):
     call = {"num_inference_steps": 2, "output_type": "np", **call}
-    return pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images
+    return pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images  # Klein: image first
 
 
 def both(family, **call):
@@ -54,16 +55,22 @@ def test_compiled_matches_eager_at_every_bucket_and_across_the_range(family):
     """Guided and unguided, one image and the most each variant serves, at each bucket, at the
     dynamic range's corners and at a size inside it of another aspect."""
     target, _, compiled, _ = family
-    sizes = [(b.batch, b.height, b.width, f"b{b.batch}_{b.height}x{b.width}") for b in target.shapes]
+    sizes = [(b.batch, b.height, b.width, {}, f"b{b.batch}_{b.height}x{b.width}") for b in target.shapes]
     if target.dynamic:
         d, stride = target.dynamic, target.stride
-        sizes += [(d["batch"][1], d["height"][0], d["width"][1], "dynamic"),
-                  (d["batch"][0], d["height"][1] - stride, d["width"][0] + stride, "dynamic")]
-    for images, height, width, variant in sizes:
+        texts = d.get("max_sequence_length", [None, None])
+        sizes += [(d["batch"][1], d["height"][0], d["width"][1], {"max_sequence_length": texts[0]}, "dynamic"),
+                  (d["batch"][0], d["height"][1] - stride, d["width"][0] + stride,
+                   {"max_sequence_length": texts[1]}, "dynamic")]
+    for images, height, width, text, variant in sizes:
+        text = {k: v for k, v in text.items() if v is not None}
         for guidance_scale in (target.guidance_scale, 1.0):
             for count in sorted({1, images}):
-                both(family, height=height, width=width, num_images_per_prompt=count, guidance_scale=guidance_scale)
-                assert compiled.transformer.last_variant == compiled.vae.last_variant == variant
+                both(family, height=height, width=width, num_images_per_prompt=count, guidance_scale=guidance_scale,
+                     **text)
+                assert compiled.transformer.last_variant == variant
+                if "vae_decoder" in target.components:
+                    assert compiled.vae.last_variant == variant
 
 
 def test_what_is_not_curated_is_said(family):
@@ -147,3 +154,18 @@ def test_a_size_export_fixed_fails_the_build_naming_the_call(tmp_path):
         build(target, tmp_path)
     assert not any((tmp_path / "chroma-two").glob("*"))
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny-auraflow", "cpu-tiny-chroma", "cpu-tiny-flux2-klein"])
+def test_loras_through_diffusers_api(name, tmp_path, tmp_path_factory):
+    """`pipe.load_lora_weights` (AuraFlow's, Flux's and Flux.2's LoRA mixins) on the compiled transformer of a
+    pipeline built by capture: the image it makes is eager's with the same LoRA."""
+    target = load_target(TARGETS / f"{name}.toml")
+    with pytest.warns(UncuratedPipelineWarning):
+        compiled = aotbuild.load_pipeline(build_once(tmp_path_factory, target).folder)
+    eager, plain = eager_pipeline(target), eager_pipeline(target)
+    lora = make_lora(eager, tmp_path, seed=1, alpha=64, targets=TRANSFORMER_LORA_TARGETS)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora, adapter_name="made")
+    got = both((target, None, compiled, eager), height=64, width=64)
+    assert np.abs(got - run(plain, height=64, width=64)).max() > 1e-3  # the LoRA changes the image

@@ -29,12 +29,13 @@ REGIONAL = {  # target -> (its whole-model sibling, the blocks its denoiser has,
     "cpu-tiny-sd15-regional": ("cpu-tiny-sd15", None, None),
     "cpu-tiny-sd3-regional": ("cpu-tiny-sd3", 2, 2),  # the last joint block drops the text stream's output
     "cpu-tiny-flux-regional": ("cpu-tiny-flux", 2, 2),  # one double-stream, one single-stream block
+    "cpu-tiny-flux2-klein-regional": ("cpu-tiny-flux2-klein", 2, 2),  # built by capture: no aotbuild entry
 }
 
 
 def run(pipe, **call):
     call = {"num_inference_steps": 2, "output_type": "np", **call}
-    return pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images
+    return pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images  # Klein: image first
 
 
 def denoiser(pipe):

@@ -1,0 +1,46 @@
+"""Write a small offline Qwen2/Qwen3-style tokenizer (byte-level BPE, the chat markers as special
+tokens, a chat template) for the tiny targets whose text encoder is a Qwen model (Flux.2 Klein).
+
+The BPE is trained on a fixed text, so the output is the same on every run. Run once; the output
+(tokenizer.json + tokenizer_config.json) is committed.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+WORDS = ["a", "the", "red", "fox", "photo", "of", "cat", "dog", "in", "snow", "astronaut", "horse", "user",
+         "assistant", "system", "image", "describe"]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# Qwen3's template, less tools and multi-turn reasoning: what a one-message prompt renders to.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def main(out: Path) -> None:
+    tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([" ".join(WORDS)] * 8, trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 1024, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "unk_token": None, "bos_token": None, "add_prefix_space": False,
+              "additional_special_tokens": SPECIAL[1:], "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(f"{tokenizer.get_vocab_size()} tokens -> {out}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
