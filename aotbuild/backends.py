@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,20 +157,26 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     if image is None:
         call |= {"height": height, "width": width}
     else:
-        from .runtime.load import quiet_libraries
+        if "image" not in inspect.signature(type(pipe).__call__).parameters:  # FLUX.2 edits with its own call
+            from .runtime.load import quiet_libraries
 
-        with quiet_libraries():
-            from diffusers import AutoPipelineForImage2Image
+            with quiet_libraries():
+                from diffusers import AutoPipelineForImage2Image
 
-            pipe = AutoPipelineForImage2Image.from_pipe(pipe)
-        pipe.set_progress_bar_config(disable=True)
+                pipe = AutoPipelineForImage2Image.from_pipe(pipe)
+            pipe.set_progress_bar_config(disable=True)
         call["image"] = image.resize((width, height)) if height and width else image
-        if strength is not None:
-            call["strength"] = strength
+        call["strength"] = strength
+    taken = inspect.signature(type(pipe).__call__).parameters
+    refused = [name for name, value in call.items() if value is not None and name not in taken]
+    if refused:
+        raise AotbuildError(f"{type(pipe).__name__} takes no {refused[0]}",
+                            hint=f"leave out the option that sets {refused[0]}")
+    call = {name: value for name, value in call.items() if name in taken}
     start = time.perf_counter()
     with torch.no_grad():
-        result = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), callback_on_step_end=on_step_end,
-                      **call)
+        result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
+                      callback_on_step_end=on_step_end, **call)
     total = time.perf_counter() - start
     ends = [start, *marks]
     return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total,

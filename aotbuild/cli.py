@@ -6,19 +6,30 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import click
 
 from .errors import AotbuildError
-from .pipelines import TEXT
 
 ARTIFACTS_HELP = "folder holding one artifact folder per target"
 
 
+def _warning_line(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+    """aotbuild's own warnings as one line, like its errors (no source line of aotbuild's code)."""
+    text = str(message)
+    return f"warning: {text.removeprefix('aotbuild: ')}\n" if text.startswith("aotbuild: ") else \
+        _FORMAT_WARNING(message, category, *args, **kwargs)
+
+
+_FORMAT_WARNING = warnings.formatwarning
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
+        warnings.formatwarning = _warning_line
         try:
             return super().invoke(ctx)
         except AotbuildError as exc:
@@ -41,6 +52,7 @@ def main(debug: bool) -> None:
 @click.option("--dir", "targets_dir", type=click.Path(path_type=Path), help="targets folder (default: ./targets)")
 def targets(targets_dir: Path | None) -> None:
     """List the targets, one line each."""
+    from .pipelines import TEXT
     from .targets import list_targets
 
     for t in list_targets(targets_dir):
@@ -392,6 +404,8 @@ def cache(clear: bool) -> None:
 
 def _dim_text(dim: Any) -> str:
     """A dim of a variant's signature: 4, 2*B, H/8, T[16..256] (image tokens), L[128..512] (text)."""
+    from .pipelines import TEXT
+
     if isinstance(dim, int):
         return str(dim)
     if dim["axis"] == "batch":

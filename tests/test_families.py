@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import subprocess
+import sys
 
 import diffusers
 import numpy as np
@@ -21,7 +23,7 @@ from aotbuild.pipelines import UNCURATED
 from aotbuild.runtime.load import UncuratedPipelineWarning
 from aotbuild.targets import ShapeBucket, load_target
 
-from .conftest import TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora
+from .conftest import ROOT, TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~1e-6
@@ -169,3 +171,20 @@ def test_loras_through_diffusers_api(name, tmp_path, tmp_path_factory):
         pipe.load_lora_weights(lora, adapter_name="made")
     got = both((target, None, compiled, eager), height=64, width=64)
     assert np.abs(got - run(plain, height=64, width=64)).max() > 1e-3  # the LoRA changes the image
+
+
+def test_aotbuild_run_on_a_pipeline_built_by_capture(tmp_path, tmp_path_factory):
+    """`aotbuild run` calls the pipeline by keyword (FLUX.2's call takes an image first), says the
+    load's warnings in one line each, and refuses an option the pipeline's call does not take."""
+    from .test_cli import invoke
+
+    folder = build_once(tmp_path_factory, load_target(TARGETS / "cpu-tiny-flux2-klein.toml")).folder
+    common = ("run", "--artifact", str(folder), "--prompt", PROMPT, "--steps", "1", "--height", "64", "--width", "64",
+              "--batch", "1", "--output", str(tmp_path / "fox.png"))
+    result = subprocess.run([sys.executable, "-m", "aotbuild.cli", *common], capture_output=True, text=True,
+                            cwd=ROOT)  # a process of its own: pytest would capture the warnings
+    assert result.returncode == 0 and (tmp_path / "fox.png").is_file(), result.stderr
+    assert "\nwarning: Flux2KleinPipeline was built by capture: " in "\n" + result.stderr
+    refused = invoke(*common, "--negative-prompt", "blur")
+    assert refused.exit_code != 0
+    assert "error: Flux2KleinPipeline takes no negative_prompt" in refused.output
