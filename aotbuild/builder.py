@@ -530,7 +530,7 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
     models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     encoders = [m for n, m in models.items() if n.startswith("text_encoder")]
     others = [m for n, m in models.items() if not n.startswith("text_encoder")]
-    embeds: dict[tuple[int, bool], Any] = {}
+    embeds: dict[tuple[int, bool, int | None], Any] = {}  # (images, guided, text length)
     if spec.prompt_embeds is None:  # the pipeline encodes its prompt at each capture
         others += encoders
     elif recorded and runs:
