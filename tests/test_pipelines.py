@@ -44,7 +44,8 @@ def test_flux_dynamic_sequence_model(built_pipeline):
         pytest.skip("only the Flux target declares [dynamic]")
     tokens = next(i for i in built.manifest["components"]["transformer"]["variants"][-1]["inputs"]
                   if i["path"] == "hidden_states")
-    assert tokens["dims"] == [{"axis": "batch", "factor": 1}, {"axis": "tokens", "min": 64, "max": 576}, 16]
+    assert [{k: v for k, v in d.items() if k != "expr"} if isinstance(d, dict) else d for d in tokens["dims"]] == \
+        [{"axis": "batch", "factor": 1}, {"axis": "tokens", "min": 64, "max": 576}, 16]
     pipe = aotbuild.load_pipeline(built.folder)
     eager = eager_pipeline(target)
     for bucket in (ShapeBucket(1, 32, 32), ShapeBucket(2, 96, 96), ShapeBucket(1, 48, 80)):
