@@ -260,7 +260,6 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
-    text_length = default_text_length(spec.class_name)
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"
@@ -269,7 +268,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally {TEXT}); "
                               f"got {sorted(table)}")
         if TEXT in table:
-            _check_takes_text(origin, f"{where}.{TEXT}", spec, text_length)
+            _check_takes_text(origin, f"{where}.{TEXT}", spec)
         for dim in sorted(set(table)):
             value = _expect(origin, f"{where}.{dim}", table[dim], int, "a positive integer")
             if value <= 0:
@@ -286,8 +285,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
-    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode, text_length) if "dynamic" in raw \
-        else None
+    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode) if "dynamic" in raw else None
     for axis in ("height", "width"):
         if dynamic:
             _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
@@ -342,21 +340,20 @@ def _check_largest(origin: str, key: str, pixels: int, largest: int | None, spec
                           f"{spec.class_name}'s position embedding covers (pos_embed_max_size x patch x VAE factor)")
 
 
-def _check_takes_text(origin: str, key: str, spec: Any, default: int | None) -> None:
-    if default is None:
+def _check_takes_text(origin: str, key: str, spec: Any) -> None:
+    if default_text_length(spec.class_name) is None:  # reads the diffusers class: only when a target asks
         raise TargetError(f"{origin}: key {key!r}: {spec.class_name}'s call takes no {TEXT}, so its text length "
                           f"is not a shape to choose")
 
 
-def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str,
-                   text_length: int | None) -> dict[str, list[int]]:
+def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str) -> dict[str, list[int]]:
     """[dynamic] batch/height/width[/max_sequence_length] = [min, max], in images, pixels, tokens."""
     _expect(origin, "dynamic", table, dict, "a table {batch, height, width[, max_sequence_length]}")
     if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT}:
         raise TargetError(f"{origin}: key 'dynamic' needs batch, height, width (and optionally {TEXT}); "
                           f"got {sorted(table)}")
     if TEXT in table:
-        _check_takes_text(origin, f"dynamic.{TEXT}", spec, text_length)
+        _check_takes_text(origin, f"dynamic.{TEXT}", spec)
     ranges = {}
     for axis in [a for a in ("batch", "height", "width", TEXT) if a in table]:
         value = table[axis]
