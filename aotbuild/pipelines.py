@@ -350,13 +350,7 @@ def _component_types(cls: type) -> dict[str, type]:
         hints = typing.get_type_hints(cls.__init__)
     except (NameError, TypeError):  # an annotation that does not resolve here
         return {}
-    found = {}
-    for name, hint in hints.items():
-        for option in (hint, *typing.get_args(hint)):
-            if isinstance(option, type) and issubclass(option, ModelMixin):
-                found[name] = option
-                break
-    return found
+    return {name: found for name, hint in hints.items() if (found := _named_subclass(hint, ModelMixin))}
 
 
 def _output_class(forward: Callable) -> str | None:
@@ -367,10 +361,14 @@ def _output_class(forward: Callable) -> str | None:
         hint = typing.get_type_hints(forward).get("return")
     except (NameError, TypeError):
         return None
-    for option in (hint, *typing.get_args(hint)):
-        if isinstance(option, type) and issubclass(option, BaseOutput):
-            return f"{option.__module__}.{option.__qualname__}"
-    return None
+    found = _named_subclass(hint, BaseOutput)
+    return f"{found.__module__}.{found.__qualname__}" if found else None
+
+
+def _named_subclass(hint: Any, base: type) -> type | None:
+    """The first subclass of `base` a type hint names, itself or in a union (`X | None`)."""
+    return next((option for option in (hint, *typing.get_args(hint))
+                 if isinstance(option, type) and issubclass(option, base)), None)
 
 
 def _as_called(args: tuple, kwargs: dict) -> CallInputs:

@@ -21,6 +21,7 @@ and the image tokens), checked at every call by `relations_hold`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any
@@ -211,7 +212,8 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
 _TERM = re.compile(r"([+-]?)\s*((?:\d+|[A-Za-z_]\w*)(?:\s*\*\s*(?:\d+|[A-Za-z_]\w*))*)\s*")
 
 
-def polynomial(expr: str) -> list[tuple[int, tuple[str, ...]]] | None:
+@functools.cache  # relations_hold runs on every call of a dynamic model: each expression is parsed once
+def polynomial(expr: str) -> tuple[tuple[int, tuple[str, ...]], ...] | None:
     """A symbolic size ("s0 + 512", "2*s1", "s0*s1 - 1") as (coefficient, symbols) terms; None
     when it is not a sum of products of integers and symbols (a floor division, say)."""
     terms, position, text = [], 0, expr.strip()
@@ -227,7 +229,7 @@ def polynomial(expr: str) -> list[tuple[int, tuple[str, ...]]] | None:
                 symbols.append(factor)
         terms.append((coefficient, tuple(sorted(symbols))))
         position = match.end()
-    return terms or None
+    return tuple(terms) or None
 
 
 def relations_hold(dims: list[list[Any]], shapes: list[list[int]]) -> bool:

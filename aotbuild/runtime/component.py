@@ -391,14 +391,19 @@ def variant_coverage(entry: dict[str, Any]) -> str:
         return (f"tiles up to {d['height'][1]}x{d['width'][1]} px (multiples of {d['stride']} px), "
                 f"{_images(*d['batch'])}")
     lengths = text_lengths(entry)
-    text = "" if lengths is None else ", text length " + (
-        str(lengths[0]) if lengths[0] == lengths[1] else f"{lengths[0]}-{lengths[1]}")
+    text = "" if lengths is None else f", text length {_span(lengths)}"
     if "dynamic" in entry:
         d = entry["dynamic"]
         return (f"{d['height'][0]}-{d['height'][1]}x{d['width'][0]}-{d['width'][1]} px (multiples of {d['stride']}), "
                 f"{_images(*d['batch'])}{text}{suffix}")
     b = entry["bucket"]
     return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{text}{suffix}"
+
+
+def _span(low_high: tuple[int, int]) -> str:
+    """512, or 128-512."""
+    low, high = low_high
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def text_lengths(entry: dict[str, Any]) -> tuple[int, int] | None:
@@ -480,7 +485,7 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
         text = values.get(TEXT)
         lengths = [text_lengths(v.entry) for v in variants]
         if text is not None and all(r is not None and not r[0] <= text <= r[1] for r in lengths):
-            compiled = ", ".join(sorted({str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}" for r in lengths}))
+            compiled = ", ".join(sorted({_span(r) for r in lengths}))
             return (f"{component}: text length {text} ({TEXT}={text}) in this call; compiled: {compiled}; "
                     f"this artifact covers: {covered}")
         guidance = {g for v in variants for g in v.entry.get("guidance", ())}
