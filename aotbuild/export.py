@@ -113,13 +113,14 @@ def custom_ops_called(files: list) -> list[str]:
 
 
 def export_variant(module: torch.nn.Module, args: tuple, kwargs: dict, context: Any = None,
-                   dynamic_shapes: dict[str, Any] | None = None) -> torch.export.ExportedProgram:
-    """torch.export of the module at one static shape, or over `dynamic_shapes` (non-strict: traces
-    through diffusers code). A dim the model forces to one size is an error naming it, never a
-    silently static "dynamic" model: explicit Dims make export refuse rather than specialize."""
+                   dynamic_shapes: dict[str, Any] | None = None, strict: bool = False) -> torch.export.ExportedProgram:
+    """torch.export of the module at one static shape, or over `dynamic_shapes` (non-strict by
+    default: traces through diffusers code in Python). A dim the model forces to one size is an
+    error naming it, never a silently static "dynamic" model: explicit Dims make export refuse
+    rather than specialize."""
     with context or contextlib.nullcontext():
         try:
-            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict)
         except Exception as exc:
             kind = "dynamic " if dynamic_shapes else ""
             raise BuildError(f"torch.export ({kind}shapes) failed for {type(module).__name__}: {exc}") from exc
@@ -129,15 +130,38 @@ def input_dims(program: torch.export.ExportedProgram) -> list[list[int | str]]:
     """Each tensor input's dims as the exported program takes them, in the call's leaf order: an
     int where export made the dim static, its symbolic size where dynamic ("s0", "s0 + 512":
     the relations between inputs that the compiled code assumes and AOTInductor never checks)."""
+    return [[d if isinstance(d, int) else str(d.node.expr) for d in shape] for shape in _input_shapes(program)]
+
+
+def _input_shapes(program: torch.export.ExportedProgram) -> list[tuple]:
     from torch.export.graph_signature import InputKind, TensorArgument
 
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
-    dims = []
-    for spec in program.graph_signature.input_specs:
-        if spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, TensorArgument):
-            value = placeholders[spec.arg.name].meta["val"]
-            dims.append([d if isinstance(d, int) else str(d.node.expr) for d in value.shape])
-    return dims
+    return [tuple(placeholders[spec.arg.name].meta["val"].shape) for spec in program.graph_signature.input_specs
+            if spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, TensorArgument)]
+
+
+def shape_guards(program: torch.export.ExportedProgram) -> list[str]:
+    """What the exported program assumes of its inputs' dynamic sizes beyond their relations: the
+    guards export added where the traced code branched on a size (Z-Image pads its caption to a
+    multiple of 32 only when it is not one; a size-1 pad would be specialized), as Python
+    expressions over the symbols of `input_dims`. AOTInductor checks none of them at run time."""
+    from torch.export.exported_program import _get_shape_env
+    from torch.utils._sympy.printers import PythonPrinter
+
+    shape_env = _get_shape_env(program.graph_module)
+    if shape_env is None:
+        return []
+    inputs = {symbol for shape in _input_shapes(program) for d in shape if not isinstance(d, int)
+              for symbol in d.node.expr.free_symbols}
+    printer, guards = PythonPrinter(), []
+    for guard in shape_env.guards:
+        expr = shape_env.replace(guard.expr)
+        if expr.free_symbols and expr.free_symbols <= inputs and expr not in (True, False):
+            text = printer.doprint(expr)
+            if text not in guards:
+                guards.append(text)
+    return guards
 
 
 def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> list:

@@ -21,6 +21,7 @@ and the image tokens), checked at every call by `relations_hold`.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
@@ -232,12 +233,21 @@ def polynomial(expr: str) -> tuple[tuple[int, tuple[str, ...]], ...] | None:
     return tuple(terms) or None
 
 
-def relations_hold(dims: list[list[Any]], shapes: list[list[int]]) -> bool:
-    """Whether a call's tensor shapes meet the relations the exported program assumes between its
-    dynamic dims (their "expr"): each symbol is solved from a dim of one symbol (`k*s + c`), and
-    every dim must then equal its expression. A symbol no such dim gives cannot be checked:
+def relations_hold(dims: list[list[Any]], shapes: list[list[int]], guards: tuple[str, ...] | list[str] = ()) -> bool:
+    """Whether a call's tensor shapes meet what the exported program assumes of its dynamic dims:
+    the relations between them (each dim's "expr") and the `guards` export took on their values
+    (the branches diffusers' code took for the example's sizes: Z-Image pads its caption only when
+    its length is not a multiple of 32). Each symbol is solved from a dim of one symbol (`k*s + c`),
+    and every dim must then equal its expression. A symbol no such dim gives cannot be checked:
     False, as the build refuses such a program. Dims without an expression (artifacts built
     before relations were recorded) are not checked."""
+    bound = solve(dims, shapes)
+    return bound is not None and failed_guard(guards, bound) is None
+
+
+def solve(dims: list[list[Any]], shapes: list[list[int]]) -> dict[str, int] | None:
+    """The value of each symbol of the dims' expressions in this call, or None when the shapes
+    break a relation (see `relations_hold`)."""
     sized = [(polynomial(dim["expr"]), size) for leaf_dims, shape in zip(dims, shapes, strict=True)
              for dim, size in zip(leaf_dims, shape, strict=True) if isinstance(dim, dict) and "expr" in dim]
     bound: dict[str, int] = {}
@@ -247,15 +257,49 @@ def relations_hold(dims: list[list[Any]], shapes: list[list[int]]) -> bool:
             (k, (symbol,)), constant = variable[0], sum(k for k, symbols in terms if not symbols)
             value, remainder = divmod(size - constant, k)
             if remainder or bound.setdefault(symbol, value) != value:
-                return False
+                return None
     for terms, size in sized:
         if terms is None or any(symbol not in bound for _, symbols in terms for symbol in symbols):
-            return False
+            return None
         total = 0
         for coefficient, symbols in terms:
             for symbol in symbols:
                 coefficient *= bound[symbol]
             total += coefficient
         if total != size:
-            return False
-    return True
+            return None
+    return bound
+
+
+def failed_guard(guards: tuple[str, ...] | list[str], bound: dict[str, int]) -> str | None:
+    """The first guard these symbol values break (None: all hold, or one names a symbol not bound,
+    which the build refuses)."""
+    for guard in guards:
+        try:
+            if not _guard_function(guard)(bound):
+                return guard
+        except (KeyError, ZeroDivisionError):
+            return guard
+    return None
+
+
+# What a guard may contain: integer arithmetic on symbols, comparisons, and/or/not, max/min.
+_GUARD_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp, ast.Add,
+                ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt,
+                ast.GtE, ast.Name, ast.Load, ast.Constant, ast.Call)
+
+
+@functools.cache  # each guard is checked on every call of its model: compiled once
+def _guard_function(guard: str) -> Any:
+    """A guard ("((-1)*s0) % 32 >= 2", as torch's Python printer writes it) as a function of the
+    symbols' values; anything but integer arithmetic is a BuildError (the manifest is data, never
+    code to run)."""
+    tree = ast.parse(guard, mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, _GUARD_NODES) or (isinstance(node, ast.Constant) and type(node.value) is not int) \
+                or (isinstance(node, ast.Call) and (not isinstance(node.func, ast.Name) or node.keywords
+                                                    or node.func.id not in ("max", "min"))):
+            raise BuildError(f"a shape guard aotbuild cannot check: {guard}")
+    code = compile(tree, "<guard>", "eval")
+    names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - {"max", "min"})
+    return lambda bound: eval(code, {"__builtins__": {}, "max": max, "min": min}, {n: bound[n] for n in names})

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import aotbuild
-from aotbuild.errors import ShapeNotSupportedError, TargetError
-from aotbuild.shapes import classify, infer_size, polynomial, probe_points, relations_hold
+from aotbuild.errors import BuildError, ShapeNotSupportedError, TargetError
+from aotbuild.shapes import classify, failed_guard, infer_size, polynomial, probe_points, relations_hold, solve
 from aotbuild.targets import ShapeBucket, load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline, generate
@@ -138,6 +138,36 @@ def test_relations_the_exported_program_assumes_are_checked(sizes, holds):
 def test_relations_aotbuild_cannot_check_are_refused():
     assert polynomial("((s0//2))") is None
     assert not relations_hold([[{"axis": "tokens", "min": 1, "max": 9, "expr": "s0 + s1"}]], [[5]])
+
+
+# Z-Image pads its caption (s0 tokens) to a multiple of 32 only when it is not one, and its image
+# tokens (s1 x s2) likewise: export keeps the branch the example took as guards on the sizes.
+Z_IMAGE_GUARDS = ["(((-1)*s0) % 32) >= 2", "(((-1)*s1*s2) % 32) <= 0", "max(32, s0 + (((-1)*s0) % 32)) != 32"]
+
+
+@pytest.mark.parametrize(("text", "latent", "holds"), [
+    (264, 32, True),     # caption padded by 24, 16 x 16 image tokens: no image padding
+    (100, 16, True),
+    (256, 32, False),    # a caption that needs no padding: the other branch
+    (287, 32, False),    # padded by 1: a size export specializes
+    (264, 24, False),    # 12 x 12 image tokens need padding
+])
+def test_guards_export_took_are_checked(text, latent, holds):
+    dims = [[4, {"axis": "height", "pixels": 2, "multiple": 2, "expr": "2*s1"},
+             {"axis": "width", "pixels": 2, "multiple": 2, "expr": "2*s2"}],
+            [{"axis": "max_sequence_length", "min": 40, "max": 500, "expr": "s0"}, 32]]
+    sizes = [[4, latent, latent], [text, 32]]
+    assert relations_hold(dims, sizes) is True
+    assert relations_hold(dims, sizes, Z_IMAGE_GUARDS) is holds
+    assert (failed_guard(Z_IMAGE_GUARDS, solve(dims, sizes)) is None) is holds
+
+
+@pytest.mark.parametrize("guard", ["__import__('os').system('true')", "s0.bit_length() > 1", "s0 ** 2 > 1",
+                                   "'a' < 'b'", "(lambda: 1)()"])
+def test_a_guard_that_is_not_integer_arithmetic_is_refused_unrun(guard):
+    """The manifest is data: a guard other than integer arithmetic on sizes is never evaluated."""
+    with pytest.raises(BuildError, match="a shape guard aotbuild cannot check"):
+        failed_guard([guard], {"s0": 3})
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import importlib
 import inspect
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -19,6 +20,7 @@ from torch.utils import _pytree as pytree
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
 from ..pipelines import TEXT, pipeline_spec
+from ..shapes import failed_guard, infer_size, solve
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
@@ -394,8 +396,9 @@ def variant_coverage(entry: dict[str, Any]) -> str:
     text = "" if lengths is None else f", text length {_span(lengths)}"
     if "dynamic" in entry:
         d = entry["dynamic"]
-        return (f"{d['height'][0]}-{d['height'][1]}x{d['width'][0]}-{d['width'][1]} px (multiples of {d['stride']}), "
-                f"{_images(*d['batch'])}{text}{suffix}")
+        fixed = d["height"][0] == d["height"][1] and d["width"][0] == d["width"][1]
+        multiples = "" if fixed else f" (multiples of {d['stride']})"
+        return f"{_span(d['height'])}x{_span(d['width'])} px{multiples}, {_images(*d['batch'])}{text}{suffix}"
     b = entry["bucket"]
     return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{text}{suffix}"
 
@@ -477,16 +480,21 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
         return f"the compiled {component} takes {_input_name(missing[0])}, which this call does not pass"
     shapes = ", ".join(f"{path} {list(x.shape)}" for path, x in given.items() if isinstance(x, torch.Tensor))
     covered = "; ".join(variant_coverage(v.entry) for v in variants)
+    if assumed := _assumption_broken(variants, args, kwargs):
+        return (f"{component}: this call's sizes ({shapes}) are in the range compiled, but break what the compiled "
+                f"code assumes of them: {assumed} (a branch the model's code took at the sizes it was exported at); "
+                f"this artifact covers: {covered}, less such sizes; cover them with a [[shapes]] bucket and rebuild")
     call = pipeline_call()
     asked = ""
     if call is not None:
         name, values = call
         asked = f" ({name}({', '.join(f'{k}={v!r}' for k, v in values.items() if v is not None)}))"
-        text = values.get(TEXT)
+        cap, text = values.get(TEXT), _text_length(variants, args, kwargs)
         lengths = [text_lengths(v.entry) for v in variants]
         if text is not None and all(r is not None and not r[0] <= text <= r[1] for r in lengths):
             compiled = ", ".join(sorted({_span(r) for r in lengths}))
-            return (f"{component}: text length {text} ({TEXT}={text}) in this call; compiled: {compiled}; "
+            asked = f"{TEXT}={cap}" if cap in (None, text) else f"the prompt's tokens; {TEXT}={cap}"
+            return (f"{component}: text length {text} ({asked}) in this call; compiled: {compiled}; "
                     f"this artifact covers: {covered}")
         guidance = {g for v in variants for g in v.entry.get("guidance", ())}
         scale = values.get("guidance_scale")
@@ -496,6 +504,43 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
                 return (f"{component}: guidance_scale={scale:g} needs the {wanted} variants, which this artifact was "
                         f"built without (rebuild it with guidance = \"both\" in the target); it covers: {covered}")
     return f"{component}: no compiled variant for this call{asked}: {shapes}; this artifact covers: {covered}"
+
+
+def _text_length(variants: list[CompiledVariant], args: tuple, kwargs: dict) -> int | None:
+    """The text length the denoiser is given in this call: the size of an input dim that follows
+    the text alone (the padded `max_sequence_length`, or the prompt's real token count where the
+    pipeline trims it: Qwen-Image, Z-Image)."""
+    for variant in variants:
+        leaves = variant.flatten(args, kwargs)
+        for (_, leaf), expected in zip(leaves or (), variant.inputs, strict=True):
+            for d, dim in enumerate(expected.get("dims", ())):
+                if isinstance(dim, dict) and dim["axis"] == TEXT and isinstance(leaf, torch.Tensor):
+                    return leaf.shape[d]
+    return None
+
+
+def _assumption_broken(variants: list[CompiledVariant], args: tuple, kwargs: dict) -> str | None:
+    """The guard a dynamic variant's export took that these inputs break, where their sizes are
+    otherwise in its range, with its symbols named as inputs ("s43 = args[2].0 dim 0")."""
+    for variant in variants:
+        guards, leaves = variant.entry.get("guards"), variant.flatten(args, kwargs)
+        if not guards or leaves is None or "dynamic" not in variant.entry:
+            continue
+        tensors = [leaf for leaf in variant.inputs if "value" not in leaf]
+        sizes = [list(x.shape) for _, x in leaves if isinstance(x, torch.Tensor)]
+        dims = [leaf["dims"] for leaf in tensors]
+        ranges = {**variant.entry.get("dynamic", {}), "batch": variant.entry.get("call_batch")}
+        bound = solve(dims, sizes) if infer_size(dims, sizes, ranges, ranges.get("stride", 1)) else None
+        guard = failed_guard(guards, bound) if bound is not None else None
+        if guard:
+            named: dict[str, str] = {}
+            for leaf in tensors:
+                for i, d in enumerate(leaf["dims"]):
+                    for symbol in re.findall(r"[A-Za-z_]\w*", d.get("expr", "") if isinstance(d, dict) else ""):
+                        named.setdefault(symbol, f"{leaf['path']} dim {i} = {d['expr']}")
+            found = sorted(set(re.findall(r"[A-Za-z_]\w*", guard)) & set(named))
+            return f"{guard} ({'; '.join(named[s] for s in found)})" if found else guard
+    return None
 
 
 def _input_name(path: str) -> str:

@@ -181,7 +181,8 @@ class CompiledVariant:
                        if isinstance(leaf, torch.Tensor)]
             ranges = {**self.entry.get("dynamic", {}), "batch": self.entry.get("call_batch")}
             dims, sizes = [d for _, d in tensors], [s for s, _ in tensors]
-            return infer_size(dims, sizes, ranges, ranges.get("stride", 1)) is not None and relations_hold(dims, sizes)
+            return infer_size(dims, sizes, ranges, ranges.get("stride", 1)) is not None and relations_hold(
+                dims, sizes, self.entry.get("guards", ()))
         return True
 
     def run(self, leaves: list[tuple[str, Any]]) -> Any:
