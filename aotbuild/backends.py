@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
+from .pipelines import UNGUIDED
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -21,10 +22,10 @@ DEFAULT_STEPS = 4
 
 def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     """What a call leaves out defaults to, from a target's recorded content (a manifest's
-    `target`, or `Target.to_dict()`): its first bucket and its guidance (1, off, for an
+    `target`, or `Target.to_dict()`): its first bucket and its guidance (0, off, for an
     artifact built without guidance), 4 steps, seed 0. `aotbuild run` and `aotbuild serve`."""
     first = recorded["shapes"][0]
-    guidance = 1.0 if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
+    guidance = UNGUIDED if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
     return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
             "batch": first["batch"], "guidance_scale": guidance}
 

@@ -44,11 +44,21 @@ from .manifest import (
     validated_with_tf32,
     write_manifest,
 )
-from .pipelines import TEXT, UNCURATED, ComponentSpec, PipelineSpec, default_text_length, pipeline_spec, vae_factor
+from .pipelines import (
+    TEXT,
+    UNCURATED,
+    UNGUIDED,
+    ComponentSpec,
+    PipelineSpec,
+    default_text_length,
+    pipeline_spec,
+    plain_attribute,
+    vae_factor,
+)
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .runtime.cache import check_artifact_files, mark_verified
 from .runtime.regional import component_variants
-from .runtime.variant import LoadContext, tf32
+from .runtime.variant import LoadContext, leaf_name, tf32
 from .targets import ShapeBucket, Target
 
 # Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
@@ -537,8 +547,8 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
         for module in encoders:
             module.to(device)
         embeds = {(batch, guided, text): capture.encode_prompt(
-                      pipe, spec, batch=batch, device=device, guidance_scale=target.guidance_scale if guided else 1.0,
-                      text=text)
+                      pipe, spec, batch=batch, device=device,
+                      guidance_scale=target.guidance_scale if guided else UNGUIDED, text=text)
                   for batch, guided, text in sorted({(r[0], r[3], r[4]) for r in runs}, key=str)}
         for module in encoders:
             module.to("cpu")
@@ -558,7 +568,7 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
                 with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
-                        guidance_scale=target.guidance_scale if point.guided else 1.0, text=point.text,
+                        guidance_scale=target.guidance_scale if point.guided else UNGUIDED, text=point.text,
                         prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras)
             calls[name].update(runs_done[key])
             if blocks:
@@ -656,17 +666,43 @@ def _served_guidance(spec: ComponentSpec, plan: VariantPlan, modes: tuple[bool, 
 
 def _export(module: torch.nn.Module, name: str, plan: VariantPlan, call: capture.CapturedCall,
             leaf_dims: list | None, call_batch: list[int] | None, target: Target, stages: _Stages,
-            tokens: Any = None) -> torch.export.ExportedProgram:
-    """torch.export of one variant: static, or dynamic over its dims (`tokens`: see
-    `shapes.export_dynamic_shapes`)."""
+            entry: dict[str, Any], served: dict[str, capture.CapturedCall]) -> torch.export.ExportedProgram:
+    """torch.export of one variant: static, or dynamic over its dims, with what the program
+    assumes of its input sizes recorded in `entry` and checked against every call it serves.
+    Sequences (Flux's image tokens, Chroma's attention mask over text + image tokens) are related
+    by the code: export infers how (Dim.AUTO). A dynamic export that traces the model in Python
+    (non-strict) and fixes a size the calls vary (Z-Image's `len(caption)`) is traced again by
+    TorchDynamo (strict), which keeps such sizes symbolic."""
+    from torch.export import Dim
+
     dynamic_shapes = None
     if leaf_dims is not None:
         ranges = {**(plan.ranges or {}), "batch": call_batch}
         dynamic_shapes = shapes.export_dynamic_shapes(module, call.args, call.kwargs, leaf_dims, ranges,
-                                                      (plan.ranges or {}).get("stride", 1), tokens=tokens)
-    with stages("export", f"{name} {plan.name}"):
-        return export.export_variant(module, call.args, call.kwargs, optimize.export_context(target.optimize),
-                                     dynamic_shapes)
+                                                      (plan.ranges or {}).get("stride", 1), tokens=Dim.AUTO)
+    def traced(strict: bool) -> torch.export.ExportedProgram:
+        with stages("export", f"{name} {plan.name}" + (" (again, strict: a size was fixed)" if strict else "")):
+            return export.export_variant(module, call.args, call.kwargs, optimize.export_context(target.optimize),
+                                         dynamic_shapes, strict=strict)
+
+    def checked(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+        entry.pop("guards", None)
+        _record_relations(entry, program, call, name)
+        _check_served(program, entry, call, served, name, plan.name)
+        return program
+
+    _check_values(call, served, name, plan.name)
+    program = traced(strict=False)
+    try:
+        return checked(program)
+    except BuildError as fixed:
+        if dynamic_shapes is None:
+            raise
+        try:
+            program = traced(strict=True)
+        except BuildError:
+            raise fixed from None  # strict tracing failed: the first reason is the one to read
+        return checked(program)
 
 
 def _record_relations(entry: dict[str, Any], program: torch.export.ExportedProgram, call: capture.CapturedCall,
@@ -692,16 +728,20 @@ def _record_relations(entry: dict[str, Any], program: torch.export.ExportedProgr
                                  hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
             dim["expr"] = size
     dims = [leaf.get("dims", leaf.get("shape")) for leaf in entry["inputs"] if "value" not in leaf]
-    if not shapes.relations_hold(dims, _tensor_shapes(call)):
+    guards = export.shape_guards(program)
+    if guards:
+        entry["guards"] = guards
+    if not shapes.relations_hold(dims, _tensor_shapes(call), guards):
         found = ", ".join(d["expr"] for leaf in dims for d in leaf if isinstance(d, dict))
         raise BuildError(f"{component} {entry['name']}: the exported program relates its inputs' sizes in a way "
                          f"aotbuild cannot check at call time ({found})",
                          hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
 
 
-def _check_served(program: torch.export.ExportedProgram, example: capture.CapturedCall,
+def _check_served(program: torch.export.ExportedProgram, entry: dict[str, Any], example: capture.CapturedCall,
                   calls: dict[str, capture.CapturedCall], component: str, variant: str) -> None:
-    """Run the exported program on fake tensors shaped as each call the variant serves. Export can
+    """Check each call the variant serves against what the exported program assumes (its
+    relations and guards), then run the program on fake tensors shaped as the call. Export can
     make a size static without a word (a tensor built from a Python list as long as the batch
     becomes a constant), and compiled code checks no shape: a call of another size would corrupt
     memory at run time. Fake tensors cost no compute, and the ops' own shape checks run."""
@@ -709,10 +749,21 @@ def _check_served(program: torch.export.ExportedProgram, example: capture.Captur
 
     graph = program.module(check_guards=False)
     examples = [t for t in pytree.tree_leaves((example.args, example.kwargs)) if isinstance(t, torch.Tensor)]
+    dims = [leaf.get("dims", leaf.get("shape")) for leaf in entry["inputs"] if "value" not in leaf]
     for point, call in calls.items():
         sizes = _tensor_shapes(call)
         if sizes == _tensor_shapes(example):
             continue
+        bound = shapes.solve(dims, sizes)
+        if bound is None:
+            raise BuildError(f"{component} {variant}: the exported program fixes or relates its input sizes in a way "
+                             f"the call at {point} breaks: torch.export fixed a size that this call changes",
+                             hint="cover those sizes with [[shapes]] buckets of their own")
+        if guard := shapes.failed_guard(entry.get("guards", ()), bound):
+            raise BuildError(f"{component} {variant}: the exported program assumes {guard} of its input sizes (a "
+                             f"branch the model's code took at the example's sizes), which the call at {point} breaks",
+                             hint="cover those sizes with [[shapes]] buckets of their own, or a [dynamic] range "
+                                  "whose sizes all take the same branch")
         with FakeTensorMode(allow_non_fake_inputs=True):
             fakes = [_empty_like(t, size) for t, size in zip(examples, sizes, strict=True)]
             leaves, structure = pytree.tree_flatten((example.args, example.kwargs))
@@ -725,6 +776,26 @@ def _check_served(program: torch.export.ExportedProgram, example: capture.Captur
                 raise BuildError(f"{component} {variant}: the exported program cannot run the call at {point} "
                                  f"({str(exc).splitlines()[0]}): torch.export fixed a size that this call changes",
                                  hint="cover those sizes with [[shapes]] buckets of their own") from exc
+
+
+def _check_values(example: capture.CapturedCall, calls: dict[str, capture.CapturedCall], component: str,
+                  variant: str) -> None:
+    """The inputs that are not tensors are the same in every call the variant serves: a compiled
+    model takes them as constants (Qwen-Image's `img_shapes` follow the size)."""
+    values = dict(_value_leaves(example))
+    for point, call in calls.items():
+        for path, value in _value_leaves(call):
+            if repr(value) != repr(values.get(path)):
+                raise BuildError(f"{component} {variant}: input {path} is {value!r} at {point} and "
+                                 f"{values.get(path)!r} at the example: a Python value that follows the call's "
+                                 f"size, which one compiled model takes as a constant",
+                                 hint="cover those sizes with [[shapes]] buckets of their own")
+
+
+def _value_leaves(call: capture.CapturedCall) -> list[tuple[str, Any]]:
+    """The call's inputs that are not tensors (Qwen-Image's `img_shapes`), by path."""
+    return [(leaf_name(path), leaf) for path, leaf in pytree.tree_flatten_with_path((call.args, call.kwargs))[0]
+            if not isinstance(leaf, torch.Tensor)]
 
 
 def _empty_like(tensor: torch.Tensor, size: list[int]) -> torch.Tensor:
@@ -753,7 +824,8 @@ def _component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, 
         "custom_ops": sorted({ns for files in compiled.values() for ns in export.custom_ops_called(files)}),
         # Less the folder it was read from: a machine path (an HF cache, a local checkout).
         "config": {k: v for k, v in module.config.items() if k != "_name_or_path"},
-        "attributes": {a: _get_dotted(module, a) for a in spec.read_attributes},
+        "attributes": {a: value for a in spec.read_attributes
+                       if plain_attribute(value := _get_dotted(module, a, None))},
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},
         "variants": variants,
@@ -764,21 +836,14 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
                      examples: dict, reference: dict, dims: dict[str, tuple], modes: tuple[bool, ...], dtype: str,
                      inductor_options: dict[str, Any], out: Path, stages: _Stages) -> dict[str, Any]:
     """Export, compile and package every variant of one component; returns its manifest entry."""
-    from torch.export import Dim
-
     exported = spec.export_module(module).eval()
     programs, variants = {}, []
     for plan in plans:
         call = examples[plan.points[0]][spec.name]
         leaf_dims, call_batch = dims[plan.name]
         variants.append(_variant_entry(plan, call, leaf_dims, call_batch, _served_guidance(spec, plan, modes)))
-        # Sequences (Flux's image tokens, Chroma's attention mask over text + image tokens) are
-        # related by the code: export infers how (Dim.AUTO), and the entry records it.
         programs[plan.name] = _export(exported, spec.name, plan, call, leaf_dims, call_batch, target, stages,
-                                      tokens=Dim.AUTO)
-        _record_relations(variants[-1], programs[plan.name], call, spec.name)
-        _check_served(programs[plan.name], call, {p: reference[p][spec.name] for p in plan.points}, spec.name,
-                      plan.name)
+                                      variants[-1], {p: reference[p][spec.name] for p in plan.points})
     compiled = _compile_all(programs, spec.name, inductor_options, stages)
     with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device))
@@ -793,8 +858,6 @@ def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[re
     every instance's weights and the eager part's (`runtime/regional.py` runs them); returns the
     component's manifest entry. The component's variants record the call signatures the runtime
     checks each call against, as for a whole model."""
-    from torch.export import Dim
-
     module = module.eval()
     variants = []
     for plan in plans:
@@ -816,13 +879,8 @@ def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[re
             call = examples[plan.points[0]][region.name]
             leaf_dims, call_batch = dims[region.name][plan.name]
             entry = {**_variant_entry(plan, call, leaf_dims, call_batch, None), "model": f"{region.name}__{plan.name}"}
-            # Sequence dims in a block (Flux's image tokens, and its rotary embedding's text + image
-            # tokens) are related by the code: export infers how (Dim.AUTO), the ranges come from the call.
             programs[entry["model"]] = _export(block, region.name, plan, call, leaf_dims, call_batch, target, stages,
-                                               tokens=Dim.AUTO)
-            _record_relations(entry, programs[entry["model"]], call, region.name)
-            _check_served(programs[entry["model"]], call, {p: reference[p][region.name] for p in plan.points},
-                          region.name, plan.name)
+                                               entry, {p: reference[p][region.name] for p in plan.points})
             entries.append(entry)
         region_entries.append({"name": region.name, "class": region.block_class, "instances": list(region.instances),
                                "variants": entries})
@@ -1024,7 +1082,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                                      f"{points[point]}")
                 with torch.no_grad():
                     result = _first_output(variant.run(leaves))
-                expected = call.output.float().to(device)
+                expected = _flat(call.output).float().to(device)
                 error = (result.float() - expected).abs().max().item()
                 errors[str(points[point])] = (error, error / max(expected.abs().max().item(), 1e-6))
             worst_abs, worst_rel = max(errors.values(), key=lambda e: e[1] if e[1] == e[1] else float("inf"))
@@ -1081,12 +1139,18 @@ def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, pla
 
 
 def _first_output(result: Any) -> torch.Tensor:
-    return result[0] if isinstance(result, (tuple, list)) else result
+    """A compiled model's sample (the first output), flat: Z-Image's is a list, one per image."""
+    return _flat(result[0] if isinstance(result, tuple) else result)
 
 
-def _get_dotted(obj: Any, dotted: str) -> Any:
+def _flat(tree: Any) -> torch.Tensor:
+    leaves = pytree.tree_leaves(tree)
+    return leaves[0] if len(leaves) == 1 else torch.cat([t.flatten() for t in leaves])
+
+
+def _get_dotted(obj: Any, dotted: str, *default: Any) -> Any:
     for part in dotted.split("."):
-        obj = getattr(obj, part)
+        obj = getattr(obj, part, *default)
     return obj
 
 

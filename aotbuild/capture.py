@@ -19,11 +19,12 @@ from .pipelines import TEXT, ComponentSpec, PipelineSpec
 @dataclass
 class CapturedCall:
     """The first call a component received: inputs as the exported module takes them, and the
-    tensor it returned (the eager reference for numerics)."""
+    tensor it returned (the eager reference for numerics; Z-Image's transformer returns a list,
+    one per image)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    output: torch.Tensor
+    output: Any
 
     def to(self, device: str | torch.device) -> CapturedCall:
         """The same call with every tensor on `device` (the build parks references on the host)."""
@@ -54,7 +55,7 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
             if _spec.name not in calls:
                 call_args, call_kwargs = _detached(_spec.call_inputs(args, kwargs))
                 sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
-                calls[_spec.name] = CapturedCall(tuple(call_args), dict(call_kwargs), sample.detach().clone())
+                calls[_spec.name] = CapturedCall(tuple(call_args), dict(call_kwargs), _detached(sample))
             return output
 
         had_instance_attr = spec.method in vars(module)
@@ -73,19 +74,40 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
 PROMPT = "a photo of a red fox in the snow"
 
 
+def capture_prompt(text: int | None) -> str:
+    """The prompt captures use: at a text length, longer than it (each word is a token or more),
+    so that the prompt fills `max_sequence_length` tokens also where the pipeline hands the
+    denoiser only the prompt's real tokens (Qwen-Image, Z-Image): the text length captured is
+    then `text` for every pipeline, padded or trimmed."""
+    return PROMPT if text is None else " ".join([PROMPT] * (text // len(PROMPT.split()) + 1))
+
+
+@contextlib.contextmanager
+def _quiet_truncation() -> Iterator[None]:
+    """diffusers warns of every truncated prompt (CLIP's 77 tokens): capture prompts are meant to be."""
+    from diffusers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
 def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_scale: float,
                   device: torch.device, text: int | None = None) -> dict[str, torch.Tensor | None]:
     """The pipeline's text encoding of the capture prompt for `batch` images (padded to `text`
     tokens: `max_sequence_length`), as the keyword arguments its call takes instead of the
     prompt (so the text encoders can leave the device)."""
     parameters = inspect.signature(pipe.encode_prompt).parameters
-    kwargs = {"prompt": PROMPT, "device": device, "num_images_per_prompt": batch}
+    kwargs = {"prompt": capture_prompt(text), "device": device, "num_images_per_prompt": batch}
     if text is not None:
         kwargs[TEXT] = text
     kwargs |= {name: None for name in ("prompt_2", "prompt_3") if name in parameters}
     if "do_classifier_free_guidance" in parameters:
         kwargs["do_classifier_free_guidance"] = guidance_scale > 1
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_truncation():
         outputs = pipe.encode_prompt(**kwargs)
     return {name: value for name, value in zip(pipeline.prompt_embeds, outputs, strict=True) if name}
 
@@ -100,12 +122,12 @@ def capture_inputs(
     `prompt_embeds` (made by `encode_prompt` for `batch` images) when given; `extras` are further
     arguments of the call (an inpainting pipeline's image and mask)."""
     specs = [s for s in specs if s.recorded]
-    prompt: dict[str, Any] = {"prompt": PROMPT, "num_images_per_prompt": batch}
+    prompt: dict[str, Any] = {"prompt": capture_prompt(text), "num_images_per_prompt": batch}
     if prompt_embeds is not None:
         prompt = {**prompt_embeds, "num_images_per_prompt": 1}
     if text is not None:
         prompt[TEXT] = text
-    with recording(pipe, specs) as calls, torch.no_grad():
+    with recording(pipe, specs) as calls, torch.no_grad(), _quiet_truncation():
         pipe(
             **prompt, height=height, width=width,
             num_inference_steps=1, guidance_scale=guidance_scale, output_type="np",

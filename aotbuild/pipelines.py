@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ from .errors import TargetError
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 # The text length a pipeline pads its prompt to (diffusers' call argument): a shape like the size.
 TEXT = "max_sequence_length"
+# The guidance_scale of a call without guidance: every pipeline's guidance is off at 0 (Z-Image
+# guides above 0, most pipelines above 1).
+UNGUIDED = 0.0
 
 
 class VaeDecoderModule(torch.nn.Module):
@@ -330,7 +334,8 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     model = types[attribute]
     takes_return_dict = "return_dict" in inspect.signature(model.forward).parameters
     components = {attribute: dataclasses.replace(
-        UNET if attribute == "unet" else TRANSFORMER, name=attribute, attribute=attribute, read_attributes=(),
+        UNET if attribute == "unet" else TRANSFORMER, name=attribute, attribute=attribute,
+        read_attributes=_attributes_read(cls, attribute),
         call_inputs=_forward_without_return_dict if takes_return_dict else _as_called,
         output_class=_output_class(model.forward) if takes_return_dict else None)}
     if issubclass(types.get("vae", type(None)), diffusers.AutoencoderKL):
@@ -340,6 +345,25 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
         class_name=class_name, components=components,
         pixel_stride=_unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed),
         default_stride=64 if attribute == "unet" else 16, default_pixels=None, prompt_embeds=None, curated=False)
+
+
+def _attributes_read(cls: type, attribute: str) -> tuple[str, ...]:
+    """The attributes of `self.<attribute>` a pipeline class's code reads (Z-Image reads
+    `transformer.in_channels`), less those every stand-in has; the build records the ones that are
+    plain values (`plain_attribute`)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ()
+    found = re.findall(rf"self\.{attribute}\.([A-Za-z_]\w*)", source)
+    return tuple(sorted(set(found) - {"config", "dtype", "device"}))
+
+
+def plain_attribute(value: Any) -> bool:
+    """Whether a module attribute is data a manifest can hold (an int, a tuple of them...)."""
+    if isinstance(value, (tuple, list)):
+        return all(plain_attribute(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _component_types(cls: type) -> dict[str, type]:
@@ -376,12 +400,20 @@ def _as_called(args: tuple, kwargs: dict) -> CallInputs:
 
 
 def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
-    patch = configs["transformer"].get("patch_size") or 1
+    """Pixels per latent token: the VAE factor x the patch, which is the pipeline's 2 x 2 packing
+    where it packs latents (Flux, Chroma, FLUX.2, Qwen-Image: their transformer's own patch_size,
+    where it has one, describes the packed tokens), else the transformer's patch_size."""
+    config, vae = configs["transformer"], configs.get("vae", {})
+    # Z-Image's transformer lists the patch sizes it has embedders for; its pipeline calls the first.
+    patch = config.get("patch_size") or (config.get("all_patch_size") or [1])[0]
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # (frames, height, width) patches
-    # A VAE whose config does not say its factor (not an AutoencoderKL): the common 8; a size the
-    # pipeline cannot take fails its capture, naming the size.
-    factor = _vae_factor(configs) if "block_out_channels" in configs.get("vae", {}) else 8
-    return factor * patch * (2 if packed else 1)
+    if "block_out_channels" in vae:
+        factor = _vae_factor(configs)
+    elif "temperal_downsample" in vae:  # Qwen-Image's and Wan's VAEs: 2 per (spatial) downsample
+        factor = 2 ** len(vae["temperal_downsample"])
+    else:  # the common 8; a size the pipeline cannot take fails its capture, naming the size
+        factor = 8
+    return factor * (2 if packed else patch)
 
 
 def default_text_length(class_name: str) -> int | None:
