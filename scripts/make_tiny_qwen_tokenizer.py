@@ -1,5 +1,6 @@
 """Write a small offline Qwen2/Qwen3-style tokenizer (byte-level BPE, the chat markers as special
-tokens, a chat template) for the tiny targets whose text encoder is a Qwen model (Flux.2 Klein).
+tokens, a chat template) for the tiny targets whose text encoder is a Qwen model (Flux.2 Klein,
+Z-Image, Qwen-Image: each target folder holds a copy).
 
 The BPE is trained on a fixed text, so the output is the same on every run. Run once; the output
 (tokenizer.json + tokenizer_config.json) is committed.

@@ -1,5 +1,7 @@
 """Pipelines aotbuild has no entry for, built by capture (`pipelines.derived_spec`): PixArt-Sigma,
-AuraFlow, Chroma and Flux.2 Klein (Qwen3 text encoder, its own VAE eager), each compiled against
+AuraFlow, Chroma, Flux.2 Klein (Qwen3 text encoder, its own VAE eager), Z-Image (its transformer
+takes a list per image and the prompt's real token count) and Qwen-Image (the real token count,
+true CFG), each compiled against
 eager with the same seeds at every bucket and across its dynamic range (text lengths included),
 guided and not, with the default call and LoRAs; what is not curated is said in the manifest, by
 `inspect` and at load; and the shape relations export assumed are checked."""
@@ -108,12 +110,18 @@ def test_more_images_than_compiled_are_refused_in_the_calls_terms(family):
         run(compiled, height=bucket.height, width=bucket.width, num_images_per_prompt=most + 1)
 
 
-@pytest.fixture(scope="module")
-def chroma(tmp_path_factory):
-    target = load_target(TARGETS / "cpu-tiny-chroma.toml")
+def loaded(tmp_path_factory, name: str):
+    """(target, build, compiled pipeline, eager pipeline) of a tiny target built by capture."""
+    target = load_target(TARGETS / f"{name}.toml")
     built = build_once(tmp_path_factory, target)
     with pytest.warns(UncuratedPipelineWarning):
-        return target, aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+        return target, built, aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    target, _, compiled, eager = loaded(tmp_path_factory, "cpu-tiny-chroma")
+    return target, compiled, eager
 
 
 def test_a_call_breaking_a_relation_export_assumed_is_refused(chroma):
@@ -188,3 +196,101 @@ def test_aotbuild_run_on_a_pipeline_built_by_capture(tmp_path, tmp_path_factory)
     refused = invoke(*common, "--negative-prompt", "blur")
     assert refused.exit_code != 0
     assert "error: Flux2KleinPipeline takes no negative_prompt" in refused.output
+
+
+@pytest.fixture(scope="module")
+def z_image(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-z-image")[1:]
+
+
+def tokens(pipe, prompt: str) -> int:
+    """The prompt's real token count as Z-Image gives it to the transformer (chat template included)."""
+    text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=True)
+    return len(pipe.tokenizer(text).input_ids)
+
+
+def test_z_image_text_length_is_the_prompts_real_token_count(z_image):
+    """ZImagePipeline hands its transformer a list of per-image latents and each prompt's real tokens
+    (no padding), a length that changes with every prompt: the dynamic model serves any length in
+    its range (the range's ends reached by truncating a long prompt at max_sequence_length, and a
+    prompt as written), == eager, at sizes of either aspect."""
+    _, compiled, eager = z_image
+    fox = "a red fox in the snow " * 8
+    assert 16 < tokens(eager, fox) < 500
+    for size, prompt, text in [(64, fox * 20, 16), (64, fox * 20, 500), (32, fox, 512), (96, fox, 512)]:
+        call = {"height": size, "width": size, "guidance_scale": 0.0, "max_sequence_length": text}
+        got = run_prompt(compiled, prompt, **call)
+        np.testing.assert_allclose(got, run_prompt(eager, prompt, **call), atol=ATOL, rtol=0)
+        assert compiled.transformer.last_variant == "dynamic"
+
+
+def run_prompt(pipe, prompt, **call):
+    return pipe(prompt=prompt, num_inference_steps=2, output_type="np",
+                generator=torch.Generator("cpu").manual_seed(0), **call).images
+
+
+def test_z_image_refusals_name_the_prompts_tokens_and_the_branch_export_took(z_image):
+    """A prompt shorter than the range is refused by its token count, not by max_sequence_length.
+    Z-Image pads its image tokens to a multiple of 32 only when they are not one: the model was
+    exported at a size that needs no padding, and export kept that branch as a guard on the sizes
+    (recorded in the manifest, checked at every call): a size in the range that needs padding is
+    refused naming it, never run on code that skips the padding."""
+    built, compiled, eager = z_image
+    dynamic = next(v for v in built.manifest["components"]["transformer"]["variants"] if v["name"] == "dynamic")
+    assert any("% 32" in guard for guard in dynamic["guards"])
+    short = "fox"
+    with pytest.raises(ShapeNotSupportedError, match=rf"transformer: text length {tokens(eager, short)} \(the "
+                                                     r"prompt's tokens; max_sequence_length=512\) in this call; "
+                                                     r"compiled: 16-500"):
+        run_prompt(compiled, short, height=64, width=64, guidance_scale=0.0)
+    with pytest.raises(ShapeNotSupportedError, match=r"are in the range compiled, but break what the compiled code "
+                                                     r"assumes of them: .*% 32.*args\[0\]\.0 dim 2 = 2\*s"):
+        run_prompt(compiled, "a red fox in the snow " * 8, height=48, width=80, guidance_scale=0.0)
+
+
+def test_a_range_whose_probes_break_a_branch_fails_the_build_naming_it(tmp_path):
+    """Z-Image pads a caption of 512 tokens (a multiple of 32) by nothing, another branch than the
+    example's (264, padded to 288): a range reaching it fails the build before compiling, naming
+    the assumption and the call."""
+    target = load_target(TARGETS / "cpu-tiny-z-image.toml")
+    target = dataclasses.replace(target, name="z-image-short", components=("transformer",),
+                                 dynamic={**target.dynamic, "max_sequence_length": [16, 512]})
+    with pytest.raises(BuildError, match=r"transformer dynamic: the exported program assumes .* of its input sizes "
+                                         r"\(a branch the model's code took at the example's sizes\), which the call "
+                                         r"at dynamic:max breaks"):
+        build(target, tmp_path)
+    assert not any((tmp_path / "z-image-short").glob("*"))
+
+
+@pytest.fixture(scope="module")
+def qwen_image(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-qwen-image")[2:]
+
+
+def test_qwen_image_serves_prompts_as_written_and_true_cfg(qwen_image):
+    """QwenImagePipeline trims each prompt to its real tokens (after dropping its template's): one
+    dynamic model serves prompts as written, the range's ends (a long prompt truncated at
+    max_sequence_length), and Qwen-Image's own guidance (true_cfg_scale with a negative prompt: a
+    second transformer call of the negative's length), == eager; a shorter text is refused."""
+    compiled, eager = qwen_image
+    fox = "a red fox in the snow "
+    for prompt, call in [(fox, {}), (fox * 40, {"max_sequence_length": 16}), (fox * 40, {"max_sequence_length": 500}),
+                         (fox, {"true_cfg_scale": 4.0, "negative_prompt": "blurry"})]:
+        call = {"height": 64, "width": 64, **call}
+        np.testing.assert_allclose(run_prompt(compiled, prompt, **call), run_prompt(eager, prompt, **call),
+                                   atol=ATOL, rtol=0)
+        assert compiled.transformer.last_variant == "dynamic"
+    with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 8 \(max_sequence_length=8\) in "
+                                                     r"this call; compiled: 16-500, 512"):
+        run_prompt(compiled, fox * 40, height=64, width=64, max_sequence_length=8)
+
+
+def test_a_python_value_following_the_size_fails_a_range_naming_it(tmp_path):
+    """QwenImageTransformer2DModel takes the image's size as a Python list (img_shapes): a range
+    over sizes fails the build naming that input, before anything is exported."""
+    target = load_target(TARGETS / "cpu-tiny-qwen-image.toml")
+    target = dataclasses.replace(target, name="qwen-sizes", dynamic={**target.dynamic, "height": [32, 96]})
+    with pytest.raises(BuildError, match=r"transformer dynamic: input img_shapes\.0\.0\.1 is 8 at dynamic:min and 16 "
+                                         r"at the example: a Python value that follows the call's size"):
+        build(target, tmp_path)
