@@ -680,6 +680,7 @@ def _export(module: torch.nn.Module, name: str, plan: VariantPlan, call: capture
         ranges = {**(plan.ranges or {}), "batch": call_batch}
         dynamic_shapes = shapes.export_dynamic_shapes(module, call.args, call.kwargs, leaf_dims, ranges,
                                                       (plan.ranges or {}).get("stride", 1), tokens=Dim.AUTO)
+
     def traced(strict: bool) -> torch.export.ExportedProgram:
         with stages("export", f"{name} {plan.name}" + (" (again, strict: a size was fixed)" if strict else "")):
             return export.export_variant(module, call.args, call.kwargs, optimize.export_context(target.optimize),
