@@ -781,10 +781,20 @@ def _check_served(program: torch.export.ExportedProgram, entry: dict[str, Any], 
 
 def _check_values(example: capture.CapturedCall, calls: dict[str, capture.CapturedCall], component: str,
                   variant: str) -> None:
-    """The inputs that are not tensors are the same in every call the variant serves: a compiled
-    model takes them as constants (Qwen-Image's `img_shapes` follow the size)."""
-    values = dict(_value_leaves(example))
+    """Every call the variant serves passes its inputs in the example's structure, and the ones
+    that are not tensors are the same: a compiled model takes them as constants (Qwen-Image's
+    `img_shapes` follow the size). Z-Image passes a list with an entry per image and per guidance
+    branch, so its guided and unguided calls differ in structure."""
+    values, structure = dict(_value_leaves(example)), pytree.tree_structure((example.args, example.kwargs))
     for point, call in calls.items():
+        if pytree.tree_structure((call.args, call.kwargs)) != structure:
+            given = {path for path, _ in pytree.tree_flatten_with_path((call.args, call.kwargs))[0]}
+            expected = {path for path, _ in pytree.tree_flatten_with_path((example.args, example.kwargs))[0]}
+            inputs = ", ".join(sorted(leaf_name(p) for p in given ^ expected)) or "their nesting"
+            raise BuildError(f"{component} {variant}: the call at {point} passes other inputs than the example "
+                             f"({inputs}): one compiled model takes one structure",
+                             hint='build guided and unguided calls as targets of their own (guidance = "guided" or '
+                                  '"unguided"), or each size as a [[shapes]] bucket')
         for path, value in _value_leaves(call):
             if repr(value) != repr(values.get(path)):
                 raise BuildError(f"{component} {variant}: input {path} is {value!r} at {point} and "

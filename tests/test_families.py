@@ -249,6 +249,19 @@ def test_z_image_refusals_name_the_prompts_tokens_and_the_branch_export_took(z_i
         run_prompt(compiled, "a red fox in the snow " * 8, height=48, width=80, guidance_scale=0.0)
 
 
+def test_guided_and_unguided_calls_of_other_structures_fail_the_build_naming_them(tmp_path):
+    """Z-Image passes its transformer a list with an entry per image and guidance branch: one model
+    cannot take its guided and unguided calls, and a target asking for both fails before export,
+    naming the inputs and the way (not a bare traceback)."""
+    target = load_target(TARGETS / "cpu-tiny-z-image.toml")
+    target = dataclasses.replace(target, name="z-image-both", guidance="both", guidance_scale=4.0, dynamic=None,
+                                 components=("transformer",))
+    with pytest.raises(BuildError, match=r"transformer b1_64x64: the call at b1_64x64:unguided passes other inputs "
+                                         r"than the example \(args\[0\]\.1, args\[2\]\.1\)") as raised:
+        build(target, tmp_path)
+    assert 'guidance = "guided" or "unguided"' in raised.value.hint
+
+
 def test_a_range_whose_probes_break_a_branch_fails_the_build_naming_it(tmp_path):
     """Z-Image pads a caption of 512 tokens (a multiple of 32) by nothing, another branch than the
     example's (264, padded to 288): a range reaching it fails the build before compiling, naming
