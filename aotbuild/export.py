@@ -191,6 +191,10 @@ def package(path: Path, compiled: dict[str, list]) -> None:
     package_aoti(os.fspath(path), compiled)
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.detach().to(a.device))
+
+
 def constants_of(programs: list[torch.export.ExportedProgram], bound: set[str]) -> dict[str, torch.Tensor]:
     """The constants the compiled models bind (`bound`: the union of their constant FQNs), by FQN,
     from the programs' parameters, buffers and lifted constants. A program also holds what no
@@ -198,8 +202,17 @@ def constants_of(programs: list[torch.export.ExportedProgram], bound: set[str]) 
     constants: dict[str, torch.Tensor] = {}
     for program in programs:
         for fqn, value in {**program.state_dict, **program.constants}.items():
-            if fqn in bound and isinstance(value, torch.Tensor) and fqn not in constants:
+            if fqn not in bound or not isinstance(value, torch.Tensor):
+                continue
+            kept = constants.get(fqn)
+            if kept is None:
                 constants[fqn] = value.detach()
+            elif fqn in program.constants and not _same_tensor(kept, value):
+                # Each export names the tensors its forward makes (lifted_tensor_0, ...) from 0: one
+                # weights file under one name would bind one program's tensor into the other's code.
+                raise BuildError(f"constant {fqn} is one tensor in one variant's program and another in the next "
+                                 f"({kept.dtype} {list(kept.shape)} vs {value.dtype} {list(value.shape)}): one "
+                                 f"weights file cannot bind both", hint="build those shapes as targets of their own")
     missing = sorted(bound - set(constants))
     if missing:
         raise BuildError(f"the compiled code binds constants the exported programs lack: {', '.join(missing[:5])}")

@@ -262,6 +262,22 @@ def test_guided_and_unguided_calls_of_other_structures_fail_the_build_naming_the
     assert 'guidance = "guided" or "unguided"' in raised.value.hint
 
 
+def test_constants_two_programs_name_alike_but_hold_apart_fail_the_build(tmp_path):
+    """Each export names the tensors a forward makes from Python data from 0 (lifted_tensor_0, ...).
+    Guided Z-Image's bucket (traced in Python) lifts its RoPE tables under those names, its dynamic
+    model (traced again by TorchDynamo) lifts boolean scalars under the same ones: one weights file
+    bound the first program's tables into the second's code, which computed wrong images (relative
+    error 0.43, caught by validation only at the sizes it checks). The build now refuses it by name."""
+    target = load_target(TARGETS / "cpu-tiny-z-image.toml")
+    target = dataclasses.replace(target, name="z-image-guided", guidance="guided", guidance_scale=4.0,
+                                 dynamic={**target.dynamic, "max_sequence_length": [40, 500]},
+                                 components=("transformer",))
+    with pytest.raises(BuildError, match=r"constant lifted_tensor_\d is one tensor in one variant's program and "
+                                         r"another in the next .*one weights file cannot bind both"):
+        build(target, tmp_path)
+    assert not any((tmp_path / "z-image-guided").glob("*"))
+
+
 def test_a_range_whose_probes_break_a_branch_fails_the_build_naming_it(tmp_path):
     """Z-Image pads a caption of 512 tokens (a multiple of 32) by nothing, another branch than the
     example's (264, padded to 288): a range reaching it fails the build before compiling, naming
