@@ -20,7 +20,6 @@ from torch.utils import _pytree as pytree
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
 from ..pipelines import TEXT, pipeline_spec
-from ..shapes import failed_guard, infer_size, solve
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
@@ -523,19 +522,12 @@ def _assumption_broken(variants: list[CompiledVariant], args: tuple, kwargs: dic
     """The guard a dynamic variant's export took that these inputs break, where their sizes are
     otherwise in its range, with its symbols named as inputs ("s43 = args[2].0 dim 0")."""
     for variant in variants:
-        guards, leaves = variant.entry.get("guards"), variant.flatten(args, kwargs)
-        if not guards or leaves is None or "dynamic" not in variant.entry:
-            continue
-        tensors = [leaf for leaf in variant.inputs if "value" not in leaf]
-        sizes = [list(x.shape) for _, x in leaves if isinstance(x, torch.Tensor)]
-        dims = [leaf["dims"] for leaf in tensors]
-        ranges = {**variant.entry.get("dynamic", {}), "batch": variant.entry.get("call_batch")}
-        bound = solve(dims, sizes) if infer_size(dims, sizes, ranges, ranges.get("stride", 1)) else None
-        guard = failed_guard(guards, bound) if bound is not None else None
+        leaves = variant.flatten(args, kwargs)
+        guard = variant.broken_guard(leaves) if leaves is not None else None
         if guard:
             named: dict[str, str] = {}
-            for leaf in tensors:
-                for i, d in enumerate(leaf["dims"]):
+            for leaf in variant.inputs:
+                for i, d in enumerate(leaf.get("dims", ())):
                     for symbol in re.findall(r"[A-Za-z_]\w*", d.get("expr", "") if isinstance(d, dict) else ""):
                         named.setdefault(symbol, f"{leaf['path']} dim {i} = {d['expr']}")
             found = sorted(set(re.findall(r"[A-Za-z_]\w*", guard)) & set(named))

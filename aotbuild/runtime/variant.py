@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
-from ..shapes import infer_size, relations_hold
+from ..shapes import failed_guard, infer_size, relations_hold, solve
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
 from .weights import Lender, bindable, dtype_name
@@ -177,13 +177,26 @@ class CompiledVariant:
             if isinstance(leaf, torch.Tensor) and "dims" not in expected and list(leaf.shape) != expected["shape"]:
                 return False
         if "call_batch" in self.entry or "dynamic" in self.entry:
-            tensors = [(list(leaf.shape), e["dims"]) for (_, leaf), e in zip(leaves, self.inputs, strict=True)
-                       if isinstance(leaf, torch.Tensor)]
-            ranges = {**self.entry.get("dynamic", {}), "batch": self.entry.get("call_batch")}
-            dims, sizes = [d for _, d in tensors], [s for s, _ in tensors]
+            dims, sizes, ranges = self._sized(leaves)
             return infer_size(dims, sizes, ranges, ranges.get("stride", 1)) is not None and relations_hold(
                 dims, sizes, self.entry.get("guards", ()))
         return True
+
+    def broken_guard(self, leaves: list[tuple[str, Any]]) -> str | None:
+        """The guard export took that these inputs break where their sizes are otherwise in this
+        dynamic model's ranges (the reason `accepts` refuses them), else None."""
+        if not self.entry.get("guards") or "dynamic" not in self.entry:
+            return None
+        dims, sizes, ranges = self._sized(leaves)
+        bound = solve(dims, sizes) if infer_size(dims, sizes, ranges, ranges.get("stride", 1)) else None
+        return None if bound is None else failed_guard(self.entry["guards"], bound)
+
+    def _sized(self, leaves: list[tuple[str, Any]]) -> tuple[list, list[list[int]], dict[str, Any]]:
+        """The tensor inputs' dims as recorded, their sizes in this call, and the variant's ranges."""
+        tensors = [(list(leaf.shape), e["dims"]) for (_, leaf), e in zip(leaves, self.inputs, strict=True)
+                   if isinstance(leaf, torch.Tensor)]
+        ranges = {**self.entry.get("dynamic", {}), "batch": self.entry.get("call_batch")}
+        return [d for _, d in tensors], [s for s, _ in tensors], ranges
 
     def run(self, leaves: list[tuple[str, Any]]) -> Any:
         with self._lock:  # the single-threaded runner is not reentrant
