@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
-from .pipelines import UNGUIDED
+from .pipelines import UNGUIDED, exact_size
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -156,7 +156,7 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     call: dict[str, Any] = {"num_inference_steps": steps, "num_images_per_prompt": batch,
                             "guidance_scale": guidance_scale, "negative_prompt": negative_prompt}
     if image is None:
-        call |= {"height": height, "width": width}
+        call |= exact_size(type(pipe), height, width) if height and width else {}
     else:
         if "image" not in inspect.signature(type(pipe).__call__).parameters:  # FLUX.2 edits with its own call
             from .runtime.load import quiet_libraries
@@ -168,6 +168,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
             pipe.set_progress_bar_config(disable=True)
         call["image"] = image.resize((width, height)) if height and width else image
         call["strength"] = strength
+        if height and width and "strength" not in inspect.signature(type(pipe).__call__).parameters:
+            call |= exact_size(type(pipe), height, width, editing=True)  # Flux Kontext edits the image
     taken = inspect.signature(type(pipe).__call__).parameters
     refused = [name for name, value in call.items() if value is not None and name not in taken]
     if refused:

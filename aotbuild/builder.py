@@ -112,7 +112,8 @@ class _Stages:
 
 def variant_name(bucket: ShapeBucket) -> str:
     text = f"_text{bucket.max_sequence_length}" if bucket.max_sequence_length else ""
-    return f"b{bucket.batch}_{bucket.height}x{bucket.width}{text}"
+    edit = f"_image{bucket.image[0]}x{bucket.image[1]}" if bucket.image else ""
+    return f"b{bucket.batch}_{bucket.height}x{bucket.width}{text}{edit}"
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
@@ -421,17 +422,24 @@ class CapturePoint:
     guided: bool = True
     tile_of: str | None = None
     text: int | None = None  # the call's max_sequence_length (None: the pipeline takes none)
+    image: tuple[int, int] | None = None  # the size of the image an editing call takes
 
     def __str__(self) -> str:
         size = f"{self.batch}x{self.height}x{self.width}"
         if self.tile_of:
             return f"{self.tile_of} tile {size}"
-        return size + (f" text {self.text}" if self.text else "") + ("" if self.guided else " unguided")
+        edit = f" editing {self.image[0]}x{self.image[1]}" if self.image else ""
+        return size + (f" text {self.text}" if self.text else "") + edit + ("" if self.guided else " unguided")
 
     @property
-    def run(self) -> tuple[int, int, int, bool, int | None]:
+    def run(self) -> tuple[int, int, int, bool, int | None, tuple[int, int] | None]:
         """What a pipeline run at this point is called with: points that share it share the run."""
-        return self.batch, self.height, self.width, self.guided, self.text
+        return self.batch, self.height, self.width, self.guided, self.text, self.image
+
+    @property
+    def encoded(self) -> tuple[int, int]:
+        """The pixel size the VAE encoder sees: the edited image's, else the point's."""
+        return self.image or (self.height, self.width)
 
 
 @dataclass(frozen=True)
@@ -474,15 +482,19 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
             for images in sorted({bucket.batch, 1}, reverse=True):
                 suffix = ("" if images == bucket.batch else ":one") + ("" if guided == modes[0] else ":unguided")
                 points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided,
-                                                     text=bucket.max_sequence_length)
+                                                     text=bucket.max_sequence_length, image=bucket.image)
         for s in specs:
             served = [p for p in points if p.split(":")[0] == name
                       and (s.denoiser or points[p].guided == modes[0])]
-            untexted = dataclasses.replace(bucket, max_sequence_length=None)
+            # The text does not reach the VAE; its encoder encodes the edited image, its decoder the output.
+            untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None)
+            if s.part == "encoder" and bucket.image:
+                untexted = dataclasses.replace(untexted, height=bucket.image[0], width=bucket.image[1])
             if s.denoiser:
                 plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
-            elif all(plan.bucket != untexted for plan in plans[s.name]):  # the text does not reach the VAE
-                plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=untexted))
+            elif all(plan.bucket != untexted for plan in plans[s.name]):
+                named = variant_name(untexted) if bucket.image else name
+                plans[s.name].append(VariantPlan(named, "bucket", tuple(served), bucket=untexted))
     if target.dynamic:
         ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
         for probe, size in shapes.range_points(ranges, target.stride).items():
@@ -569,13 +581,14 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
                         guidance_scale=target.guidance_scale if point.guided else UNGUIDED, text=point.text,
-                        prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras)
+                        prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras,
+                        image=point.image)
             calls[name].update(runs_done[key])
             if blocks:
                 block_calls[name] = block_runs[key]
         for s in specs:
             if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
-                calls[name][s.name] = capture.random_call(pipe, s, point.batch, point.height, point.width, device)
+                calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
     return calls, block_calls
 
 
@@ -624,7 +637,8 @@ def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: lis
     if plan.kind == "bucket":
         bucket = plan.bucket
         entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width,
-                           **({TEXT: bucket.max_sequence_length} if bucket.max_sequence_length else {})}
+                           **({TEXT: bucket.max_sequence_length} if bucket.max_sequence_length else {}),
+                           **({"image": list(bucket.image)} if bucket.image else {})}
         entry["inputs"] = leaf_signature((call.args, call.kwargs))
         if leaf_dims is not None:
             tensor_dims = iter(leaf_dims)
@@ -971,8 +985,12 @@ def _default_pixels(pipe: Any, spec: PipelineSpec, target: Target) -> dict[str, 
 
 
 def _call_default_pixels(pipe: Any) -> int | None:
-    """The square size a pipeline's call defaults to in its signature (AuraFlow's 1024), if any."""
+    """The square size a pipeline's call defaults to in its signature (AuraFlow's 1024; Flux
+    Kontext scales every size to the area `max_area`, 1024 x 1024 by default), if any."""
     parameters = inspect.signature(type(pipe).__call__).parameters
+    area = parameters["max_area"].default if "max_area" in parameters else None
+    if isinstance(area, int) and math.isqrt(area) ** 2 == area:
+        return math.isqrt(area)
     sizes = {parameters[a].default for a in ("height", "width") if a in parameters}
     size = sizes.pop() if len(sizes) == 1 else None
     return size if isinstance(size, int) else None

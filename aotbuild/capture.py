@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .pipelines import TEXT, ComponentSpec, PipelineSpec
+from .pipelines import TEXT, ComponentSpec, PipelineSpec, exact_size, seeded_image
 
 
 @dataclass
@@ -115,12 +115,13 @@ def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_sca
 def capture_inputs(
     pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
-    extras: dict[str, Any] | None = None,
+    extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None,
 ) -> dict[str, CapturedCall]:
-    """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`)
-    and return the inputs of each component it calls (`ComponentSpec.recorded`); from
-    `prompt_embeds` (made by `encode_prompt` for `batch` images) when given; `extras` are further
-    arguments of the call (an inpainting pipeline's image and mask)."""
+    """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
+    `image`: the size of the image an editing call takes) and return the inputs of each component
+    it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
+    images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
+    and mask)."""
     specs = [s for s in specs if s.recorded]
     prompt: dict[str, Any] = {"prompt": capture_prompt(text), "num_images_per_prompt": batch}
     if prompt_embeds is not None:
@@ -129,7 +130,8 @@ def capture_inputs(
         prompt[TEXT] = text
     with recording(pipe, specs) as calls, torch.no_grad(), _quiet_truncation():
         pipe(
-            **prompt, height=height, width=width,
+            **prompt, **exact_size(type(pipe), height, width, editing=image is not None),
+            **({"image": seeded_image(*image)} if image else {}),
             num_inference_steps=1, guidance_scale=guidance_scale, output_type="np",
             generator=torch.Generator("cpu").manual_seed(0), **(extras or {}),
         )

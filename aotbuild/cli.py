@@ -136,7 +136,8 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 @click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket; "
                                                       "1 with --image)")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="img2img: start from this image, resized to the height and width (needs the artifact's vae_encoder)")
+              help="img2img: start from this image, or edit it (Flux Kontext); resized to the height and width "
+                   "(needs the artifact's vae_encoder)")
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
@@ -157,7 +158,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
         trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image with the artifact (aot) or the eager / torch.compile pipeline; with --image,
-    img2img from it."""
+    img2img from it, or an edit of it where the pipeline edits images (Flux Kontext)."""
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
 
     if (target_name is None) == (artifact is None):
@@ -440,6 +441,7 @@ def _mib(n: int) -> str:
 
 
 def _summary(folder: Path, m: dict[str, Any]) -> str:
+    from .pipelines import size_arguments
     from .runtime import variant_coverage
 
     t, env = m["target"], m["environment"]
@@ -479,7 +481,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         lines.append("runtime    static buckets replay as CUDA graphs")
     sizes = m.get("runtime", {}).get("default_pixels") or {}
     if sizes.get("served") != sizes.get("native"):
-        served = f"{sizes['served']}x{sizes['served']} px" if sizes.get("served") else "nothing: pass height and width"
+        served = (f"{sizes['served']}x{sizes['served']} px" if sizes.get("served")
+                  else f"nothing: pass {size_arguments(t['pipeline'])}")
         lines.append(f"default    pipe(prompt) without a size makes {served}: no variant covers the pipeline's own "
                      f"{sizes['native']}x{sizes['native']} px")
     return "\n".join(lines)

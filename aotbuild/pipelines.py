@@ -156,6 +156,9 @@ class PipelineSpec:
                                                     "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
     # False: derived from the class by `derived_spec`, nothing about it written or tested here.
     curated: bool = True
+    # The call edits an image whose tokens join the denoiser's sequence (Flux Kontext): a bucket's
+    # `image` size is a shape, and the capture passes such an image unresized.
+    edits: bool = False
 
     def component(self, name: str) -> ComponentSpec:
         try:
@@ -277,15 +280,21 @@ PIPELINES: dict[str, PipelineSpec] = {
 }
 
 
+def seeded_image(height: int, width: int) -> Any:
+    """An RGB PIL image of random pixels, seeded by its size: the image captures edit or inpaint."""
+    from PIL import Image
+
+    generator = torch.Generator("cpu").manual_seed(height * 1009 + width)
+    return Image.fromarray((torch.rand(height, width, 3, generator=generator) * 255).to(torch.uint8).numpy())
+
+
 def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     """A seeded image and a mask whose right half is repainted, as PIL images; strength 1 so one
     inference step still runs the denoiser (SDXL inpainting's default 0.9999 would run none)."""
     from PIL import Image
 
-    generator = torch.Generator("cpu").manual_seed(height * 1009 + width)
-    pixels = (torch.rand(height, width, 3, generator=generator) * 255).to(torch.uint8)
     mask = (torch.arange(width) >= width // 2).to(torch.uint8).mul(255).expand(height, width)
-    return {"image": Image.fromarray(pixels.numpy()), "mask_image": Image.fromarray(mask.contiguous().numpy()),
+    return {"image": seeded_image(height, width), "mask_image": Image.fromarray(mask.contiguous().numpy()),
             "strength": 1.0}
 
 
@@ -294,6 +303,13 @@ def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
 for _text2img, _inpaint in (("StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"),
                             ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline")):
     PIPELINES[_inpaint] = dataclasses.replace(PIPELINES[_text2img], class_name=_inpaint, capture_extras=_inpaint_extras)
+
+
+# Flux Kontext: FluxPipeline's components and text encoders; an edited image's latents are packed
+# into tokens after the generated ones (so a bucket names the image's size too), and its VAE
+# encoder encodes that image.
+PIPELINES["FluxKontextPipeline"] = dataclasses.replace(PIPELINES["FluxPipeline"], class_name="FluxKontextPipeline",
+                                                       edits=True)
 
 
 # What a manifest and a load say of a pipeline built from a derived spec.
@@ -414,6 +430,29 @@ def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
     else:  # the common 8; a size the pipeline cannot take fails its capture, naming the size
         factor = 8
     return factor * (2 if packed else patch)
+
+
+def exact_size(pipeline_class: type, height: int, width: int, *, editing: bool = False) -> dict[str, Any]:
+    """The call's arguments for an image of exactly height x width pixels (editing an image at the
+    size it is given), where the pipeline would choose another: Flux Kontext scales the size to
+    `max_area` (1024 x 1024 by default) and resizes the edited image to a size it was trained at."""
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    arguments: dict[str, Any] = {"height": height, "width": width}
+    if "max_area" in parameters:
+        arguments["max_area"] = height * width
+    if editing and "_auto_resize" in parameters:
+        arguments["_auto_resize"] = False
+    return arguments
+
+
+def size_arguments(class_name: str) -> str:
+    """The arguments a call of this pipeline class gives for a size of its own choosing."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    if cls is not None and "max_area" in inspect.signature(cls.__call__).parameters:  # Flux Kontext
+        return "height, width and max_area=height*width"
+    return "height and width"
 
 
 def default_text_length(class_name: str) -> int | None:

@@ -39,16 +39,20 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 @dataclass(frozen=True)
 class ShapeBucket:
     """A static shape: images per prompt, pixel size and, where the pipeline's call takes it, the
-    text length (None: the pipeline's default). Guidance doubles the denoiser batch."""
+    text length (None: the pipeline's default) and the (height, width) of the image an editing
+    call takes (Flux Kontext: its tokens join the denoiser's sequence; None: text-to-image calls).
+    Guidance doubles the denoiser batch."""
 
     batch: int
     height: int
     width: int
     max_sequence_length: int | None = None
+    image: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         text = f"/text{self.max_sequence_length}" if self.max_sequence_length else ""
-        return f"{self.batch}x{self.height}x{self.width}{text}"
+        edit = f"/image{self.image[0]}x{self.image[1]}" if self.image else ""
+        return f"{self.batch}x{self.height}x{self.width}{text}{edit}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,8 @@ class Target:
         """The resolved target as plain JSON data (no paths of this machine)."""
         data = asdict(self)
         data.pop("base_dir")
-        data["shapes"] = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.shapes]
+        data["shapes"] = [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(s).items() if v is not None}
+                          for s in self.shapes]
         data["components"] = list(self.components)
         data["tiling"] = list(self.tiling)
         if self.compile_mode == "whole":  # the default leaves the hashes of whole-model targets as they were
@@ -263,13 +268,16 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"
-        _expect(origin, where, table, dict, "a table {batch, height, width[, max_sequence_length]}")
-        if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT}:
-            raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally {TEXT}); "
-                              f"got {sorted(table)}")
+        _expect(origin, where, table, dict, "a table {batch, height, width[, max_sequence_length][, image]}")
+        if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT, "image"}:
+            raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally {TEXT}, "
+                              f"image); got {sorted(table)}")
         if TEXT in table:
             _check_takes_text(origin, f"{where}.{TEXT}", spec)
-        for dim in sorted(set(table)):
+        table = dict(table)
+        if "image" in table:
+            table["image"] = _edited_image(origin, f"{where}.image", table["image"], stride, spec)
+        for dim in sorted(set(table) - {"image"}):
             value = _expect(origin, f"{where}.{dim}", table[dim], int, "a positive integer")
             if value <= 0:
                 raise TargetError(f"{origin}: key '{where}.{dim}' must be positive, got {value}")
@@ -280,6 +288,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                     f"the pixel stride of this model (VAE factor x UNet downsampling)"
                 )
             _check_largest(origin, f"{where}.{dim}", table[dim], largest, spec)
+        for side, dim in zip(table.get("image", ()), ("height", "width"), strict=False):
+            _check_largest(origin, f"{where}.image {dim}", side, largest, spec)
         bucket = ShapeBucket(**table)
         if bucket in shapes:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
@@ -338,6 +348,21 @@ def _check_largest(origin: str, key: str, pixels: int, largest: int | None, spec
     if largest is not None and pixels > largest:
         raise TargetError(f"{origin}: key {key!r} = {pixels} is above {largest}, the largest size "
                           f"{spec.class_name}'s position embedding covers (pos_embed_max_size x patch x VAE factor)")
+
+
+def _edited_image(origin: str, key: str, value: Any, stride: int, spec: Any) -> tuple[int, int]:
+    """A bucket's `image = [height, width]`: the pixel size of the image an editing call takes."""
+    if not spec.edits:
+        raise TargetError(f"{origin}: key {key!r}: {spec.class_name} edits no image (its call takes no image "
+                          f"whose tokens join the denoiser's), so an image size is not a shape to choose")
+    valid = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)
+    if not valid:
+        raise TargetError(f"{origin}: key {key!r} must be [height, width] in pixels, got {value!r}")
+    for side in value:
+        if side % stride:
+            raise TargetError(f"{origin}: key {key!r} = {value}: {side} is not a multiple of {stride}, the pixel "
+                              f"stride of this model")
+    return value[0], value[1]
 
 
 def _check_takes_text(origin: str, key: str, spec: Any) -> None:

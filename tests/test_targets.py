@@ -128,6 +128,28 @@ BAD = [
 ]
 
 
+def test_an_edited_image_is_a_bucket_shape(tmp_path):
+    """Flux Kontext's buckets name the edited image's size; other pipelines' cannot, and a bad
+    size is a TargetError naming the key."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-flux").symlink_to(TARGETS / "configs" / "tiny-flux")
+    kontext = (GOOD.replace("StableDiffusionXLPipeline", "FluxKontextPipeline").replace("tiny-sdxl", "tiny-flux")
+               .replace("unet = {}", "transformer = {}"))
+    path = write_target(tmp_path, kontext.replace("width = 64\n", "width = 64\nimage = [48, 80]\n"))
+    bucket = load_target(path).shapes[0]
+    assert (bucket.image, str(bucket)) == ((48, 80), "1x64x64/image48x80")
+    data = load_target(path).to_dict()
+    assert data["shapes"] == [{"batch": 1, "height": 64, "width": 64, "image": [48, 80]}]
+    assert Target.from_dict(data, base_dir=tmp_path).shapes[0] == bucket
+    for image, message in (("[48]", r"'shapes\[0\].image' must be \[height, width\] in pixels, got \[48\]"),
+                           ("[48, 82]", r"'shapes\[0\].image' = \[48, 82\]: 82 is not a multiple of 4"),
+                           ("[48, 0]", r"must be \[height, width\] in pixels, got \[48, 0\]")):
+        with pytest.raises(TargetError, match=message):
+            load_target(write_target(tmp_path, kontext.replace("width = 64\n", f"width = 64\nimage = {image}\n")))
+    with pytest.raises(TargetError, match=r"'shapes\[0\].image': StableDiffusionXLPipeline edits no image"):
+        load_target(write_target(tmp_path, GOOD.replace("width = 64\n", "width = 64\nimage = [64, 64]\n")))
+
+
 @pytest.mark.parametrize(("text", "message"), BAD, ids=[m.split("'")[1] if "'" in m else m[:20] for _, m in BAD])
 def test_bad_target_is_target_error(tmp_path, text, message):
     path = write_target(tmp_path, text)

@@ -399,7 +399,8 @@ def variant_coverage(entry: dict[str, Any]) -> str:
         multiples = "" if fixed else f" (multiples of {d['stride']})"
         return f"{_span(d['height'])}x{_span(d['width'])} px{multiples}, {_images(*d['batch'])}{text}{suffix}"
     b = entry["bucket"]
-    return f"{b['height']}x{b['width']} px, {_images(1, b['batch'])}{text}{suffix}"
+    edit = f" editing a {b['image'][0]}x{b['image'][1]} px image" if "image" in b else ""
+    return f"{b['height']}x{b['width']} px{edit}, {_images(1, b['batch'])}{text}{suffix}"
 
 
 def _span(low_high: tuple[int, int]) -> str:
@@ -420,9 +421,10 @@ def text_lengths(entry: dict[str, Any]) -> tuple[int, int] | None:
 
 def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, guided: bool,
                    text: int | None = None) -> bool:
-    """Whether a denoiser variant serves a pipeline call of `images` at height x width pixels,
-    with guidance or without, at text length `text` (None: the pipeline's default, or it takes
-    none): what `variant_coverage` says, as a test."""
+    """Whether a denoiser variant serves a text-to-image pipeline call of `images` at height x
+    width pixels, with guidance or without, at text length `text` (None: the pipeline's default,
+    or it takes none): what `variant_coverage` says, as a test. A bucket compiled for editing an
+    image serves no such call: the edited image's tokens are part of its sequence."""
     guidance = entry.get("guidance")
     if entry.get("tile") or (guidance is not None and ("guided" if guided else "unguided") not in guidance):
         return False
@@ -435,7 +437,7 @@ def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, 
             d[axis][0] <= size <= d[axis][1] and size % d["stride"] == 0
             for axis, size in (("height", height), ("width", width)))
     b = entry["bucket"]
-    return (b["height"], b["width"]) == (height, width) and 1 <= images <= b["batch"]
+    return (b["height"], b["width"]) == (height, width) and 1 <= images <= b["batch"] and "image" not in b
 
 
 # Inputs a diffusers feature adds to a call, named as the user asks for that feature.
@@ -502,7 +504,13 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
             if wanted not in guidance:
                 return (f"{component}: guidance_scale={scale:g} needs the {wanted} variants, which this artifact was "
                         f"built without (rebuild it with guidance = \"both\" in the target); it covers: {covered}")
-    return f"{component}: no compiled variant for this call{asked}: {shapes}; this artifact covers: {covered}"
+    edit = ""
+    sequences = any(isinstance(d, dict) and d["axis"] == "tokens" for v in variants for leaf in v.inputs
+                    for d in leaf.get("dims", ()))
+    if sequences and call is not None and call[1].get("image_height") is not None:
+        edit = (f" (an edited image of {call[1]['image_height']}x{call[1]['image_width']} px adds its tokens to the "
+                f"output's: a dynamic model serves edits whose tokens together fit its range)")
+    return f"{component}: no compiled variant for this call{asked}: {shapes}; this artifact covers: {covered}{edit}"
 
 
 def _text_length(variants: list[CompiledVariant], args: tuple, kwargs: dict) -> int | None:
@@ -552,7 +560,9 @@ def pipeline_call() -> tuple[str, dict[str, Any]] | None:
     while frame is not None:
         owner = frame.f_locals.get("self")
         if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
-            names = ("height", "width", "num_images_per_prompt", "guidance_scale", TEXT)
+            # Flux Kontext scales height x width to max_area and resizes the edited image (image_height...).
+            names = ("height", "width", "num_images_per_prompt", "guidance_scale", TEXT, "max_area", "image_height",
+                     "image_width", "_auto_resize")
             return type(owner).__name__, {k: frame.f_locals.get(k) for k in names}
         frame = frame.f_back
     return None
