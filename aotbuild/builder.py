@@ -872,7 +872,10 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
     compiled = _compile_all(programs, spec.name, inductor_options, stages)
     with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device))
-    return _component_record(spec, module, dtype, compiled, constants, layouts, variants)
+    record = _component_record(spec, module, dtype, compiled, constants, layouts, variants)
+    if unread := export.unread_weights(list(programs.values()), constants):
+        record["unread"] = unread
+    return record
 
 
 def _build_regional(spec: ComponentSpec, module: torch.nn.Module, found: list[regions.Region],

@@ -219,6 +219,13 @@ def constants_of(programs: list[torch.export.ExportedProgram], bound: set[str]) 
     return constants
 
 
+def unread_weights(programs: list[torch.export.ExportedProgram], constants: dict[str, torch.Tensor]) -> list[str]:
+    """The module's parameters and buffers no compiled code binds: dead in every program (Qwen-Image's
+    last block computes a text stream nothing reads), or replaced by an optimization (fuse_qkv's
+    q/k/v projections, bound through the fused weight). A LoRA on a dead one changes nothing."""
+    return sorted({fqn for program in programs for fqn in program.state_dict} - set(constants))
+
+
 def storage_order(constants: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Each constant as safetensors can store it (contiguous, owning its storage) without losing
     the strides the code was compiled for: a constant laid out otherwise (NHWC convolution weights

@@ -315,6 +315,43 @@ def test_qwen_image_serves_prompts_as_written_and_true_cfg(qwen_image):
         run_prompt(compiled, fox * 40, height=64, width=64, max_sequence_length=8)
 
 
+@pytest.mark.parametrize(("name", "img2img", "call"), [
+    ("cpu-tiny-z-image", "ZImageImg2ImgPipeline", {"guidance_scale": 0.0}),
+    ("cpu-tiny-qwen-image", "QwenImageImg2ImgPipeline", {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}),
+])
+def test_z_image_and_qwen_image_as_diffusers_users_call_them(name, img2img, call, tmp_path, tmp_path_factory):
+    """Another scheduler (shift 2), img2img through `from_pipe`, and a LoRA through diffusers' API on
+    every attention projection, == eager. Qwen-Image's last block computes a text stream nothing
+    reads: its to_add_out and txt_mlp are dead, so no compiled code binds them (the manifest's
+    `unread`), and a LoRA on them changes nothing, as in eager (it was refused before)."""
+    target, built, compiled, eager = loaded(tmp_path_factory, name)
+    prompt, call = "a red fox in the snow " * 4, {"height": 64, "width": 64, **call}
+
+    def same(compiled, eager, **more):
+        got = run_prompt(compiled, prompt, **call, **more)
+        np.testing.assert_allclose(got, run_prompt(eager, prompt, **call, **more), atol=ATOL, rtol=0)
+        assert compiled.transformer.last_variant == "dynamic"
+        return got
+
+    for pipe in (compiled, eager):
+        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=2.0)
+    same(compiled, eager)
+    cls = getattr(diffusers, img2img)
+    image = diffusers.utils.numpy_to_pil(np.random.default_rng(0).random((64, 64, 3)))[0]
+    same(cls.from_pipe(compiled), cls.from_pipe(eager), image=image, strength=0.6)
+
+    with pytest.warns(UncuratedPipelineWarning):
+        compiled = aotbuild.load_pipeline(built.folder)
+    eager, plain = eager_pipeline(target), eager_pipeline(target)
+    lora = make_lora(eager, tmp_path, seed=1, alpha=64, targets=TRANSFORMER_LORA_TARGETS)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora, adapter_name="made")
+    got = same(compiled, eager)
+    assert np.abs(got - run_prompt(plain, prompt, **call)).max() > 1e-3  # the LoRA changes the image
+    unread = built.manifest["components"]["transformer"].get("unread", [])
+    assert ("transformer_blocks.1.attn.to_add_out.weight" in unread) == (name == "cpu-tiny-qwen-image")
+
+
 def test_a_python_value_following_the_size_fails_a_range_naming_it(tmp_path):
     """QwenImageTransformer2DModel takes the image's size as a Python list (img_shapes): a range
     over sizes fails the build naming that input, before anything is exported."""

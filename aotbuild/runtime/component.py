@@ -65,6 +65,7 @@ class CompiledComponent(StandIn):
         upcast = entry["dtype"] == "float32" and entry.get("config", {}).get("force_upcast")
         self._also_dtypes = frozenset({DTYPES[entry["target_dtype"]]} if upcast and "target_dtype" in entry else ())
         self._recipe = entry.get("quantize")  # the quant recipe of its weights, if any
+        self._unread = frozenset(entry.get("unread", ()))  # weights no compiled code binds (dead, or fused)
         self._device = context.device
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
@@ -230,7 +231,7 @@ class CompiledComponent(StandIn):
 
         if self._lora is None:
             self._lora = LoraState(self.config, self._dtype, self._device, self._weights, self._rebind,
-                                   self._recipe)
+                                   self._recipe, self._unread)
             self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
         return self._lora
 

@@ -68,9 +68,11 @@ class LoraState:
     """The LoRA adapters of one compiled component and the merged weights bound for them."""
 
     def __init__(self, config: dict[str, Any], dtype: torch.dtype, device: torch.device,
-                 base: dict[str, torch.Tensor], rebind: Any, recipe: str | None = None) -> None:
+                 base: dict[str, torch.Tensor], rebind: Any, recipe: str | None = None,
+                 unread: frozenset[str] = frozenset()) -> None:
         self.shell = meta_model(config, dtype)
         self._dtype, self._device, self._base, self._rebind = dtype, device, base, rebind
+        self._unread = unread  # the build's `unread`: a LoRA on a dead weight changes nothing, as in eager
         self._recipe, self._scheme = recipe, SCHEMES.get(recipe)  # None: no quantized weight can be merged
         self._generation: dict[str, int] = {}  # adapter -> which load made it (a name can be reused)
         self._layers: list[tuple[str, Any]] = []
@@ -137,7 +139,7 @@ class LoraState:
                 kinds.add("DoRA (a magnitude vector, not a low-rank update)")
             if any(getattr(layer, "lora_bias", {}).get(a) for a in mine):
                 kinds.add("LoRA biases")
-            if not self.placements(path, layer):
+            if not self.placements(path, layer) and child(path, "weight") not in self._unread:
                 missing.append(path)
             elif self._scheme is None and any(QUANTIZED in p.fqn for p in self.placements(path, layer)):
                 kinds.add(f"the weights it touches are quantized with {self._recipe!r}, which aotbuild cannot redo "
