@@ -1,6 +1,8 @@
 """Write a small offline Qwen2/Qwen3-style tokenizer (byte-level BPE, the chat markers as special
 tokens, a chat template) for the tiny targets whose text encoder is a Qwen model (Flux.2 Klein,
-Z-Image, Qwen-Image: each target folder holds a copy).
+Z-Image, Qwen-Image: each target folder holds a copy); with `--mistral`, the same tokenizer with
+Mistral 3's chat format, whose messages hold lists of text parts (FLUX.2 [dev]'s Mistral Small 3.1
+text encoder, `targets/configs/tiny-flux2-dev`).
 
 The BPE is trained on a fixed text, so the output is the same on every run. Run once; the output
 (tokenizer.json + tokenizer_config.json) is committed.
@@ -26,7 +28,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def main(out: Path) -> None:
+# Mistral 3's format, less images and tools: a system prompt and a user turn, each a list of text parts.
+MISTRAL_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- set text = message['content'] if message['content'] is string "
+    "else message['content'] | map(attribute='text') | join('') %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
+    "{%- else %}{{- text + '</s>' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def main(out: Path, template: str = CHAT_TEMPLATE) -> None:
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -38,10 +52,10 @@ def main(out: Path) -> None:
     tokenizer.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": 1024, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "unk_token": None, "bos_token": None, "add_prefix_space": False,
-              "additional_special_tokens": SPECIAL[1:], "chat_template": CHAT_TEMPLATE}
+              "additional_special_tokens": SPECIAL[1:], "chat_template": template}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(f"{tokenizer.get_vocab_size()} tokens -> {out}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[-1]), MISTRAL_TEMPLATE if "--mistral" in sys.argv[1:-1] else CHAT_TEMPLATE)

@@ -61,7 +61,7 @@ PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tin
               "cpu-tiny-z-image", "cpu-tiny-flux-kontext"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-sd15-regional", "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
-              "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image"))
+              "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

@@ -1,5 +1,6 @@
 """Pipelines aotbuild has no entry for, built by capture (`pipelines.derived_spec`): PixArt-Sigma,
-AuraFlow, Chroma, Flux.2 Klein (Qwen3 text encoder, its own VAE eager), Z-Image (its transformer
+AuraFlow, Chroma, Flux.2 Klein (Qwen3 text encoder, its own VAE eager), FLUX.2 [dev] (Mistral 3
+text encoder, embedded guidance), Z-Image (its transformer
 takes a list per image and the prompt's real token count) and Qwen-Image (the real token count,
 true CFG), each compiled against
 eager with the same seeds at every bucket and across its dynamic range (text lengths included),
@@ -30,7 +31,8 @@ from .conftest import ROOT, TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager
 pytestmark = pytest.mark.slow
 ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~1e-6
 PROMPT = "a red fox in the snow"
-FAMILIES = ("cpu-tiny-pixart-sigma", "cpu-tiny-auraflow", "cpu-tiny-chroma", "cpu-tiny-flux2-klein")
+FAMILIES = ("cpu-tiny-pixart-sigma", "cpu-tiny-auraflow", "cpu-tiny-chroma", "cpu-tiny-flux2-klein",
+            "cpu-tiny-flux2-dev")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -166,7 +168,7 @@ def test_a_size_export_fixed_fails_the_build_naming_the_call(tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny-auraflow", "cpu-tiny-chroma", "cpu-tiny-flux2-klein"])
+@pytest.mark.parametrize("name", ["cpu-tiny-auraflow", "cpu-tiny-chroma", "cpu-tiny-flux2-klein", "cpu-tiny-flux2-dev"])
 def test_loras_through_diffusers_api(name, tmp_path, tmp_path_factory):
     """`pipe.load_lora_weights` (AuraFlow's, Flux's and Flux.2's LoRA mixins) on the compiled transformer of a
     pipeline built by capture: the image it makes is eager's with the same LoRA."""
