@@ -869,6 +869,7 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
         variants.append(_variant_entry(plan, call, leaf_dims, call_batch, _served_guidance(spec, plan, modes)))
         programs[plan.name] = _export(exported, spec.name, plan, call, leaf_dims, call_batch, target, stages,
                                       variants[-1], {p: reference[p][spec.name] for p in plan.points})
+    export.name_constants_apart(programs)
     compiled = _compile_all(programs, spec.name, inductor_options, stages)
     with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device))
