@@ -22,7 +22,7 @@ import torch
 import aotbuild
 from aotbuild.builder import build
 from aotbuild.errors import BuildError, ShapeNotSupportedError
-from aotbuild.pipelines import UNCURATED
+from aotbuild.pipelines import UNCURATED, seeded_image
 from aotbuild.runtime.load import UncuratedPipelineWarning
 from aotbuild.targets import ShapeBucket, load_target
 
@@ -181,6 +181,22 @@ def test_loras_through_diffusers_api(name, tmp_path, tmp_path_factory):
         pipe.load_lora_weights(lora, adapter_name="made")
     got = both((target, None, compiled, eager), height=64, width=64)
     assert np.abs(got - run(plain, height=64, width=64)).max() > 1e-3  # the LoRA changes the image
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny-flux2-klein", "cpu-tiny-flux2-dev"])
+def test_flux2_reference_images_are_served_where_their_tokens_fit(name, tmp_path_factory):
+    """FLUX.2 edits reference images by joining their tokens to the output's in one sequence: the
+    dynamic model, captured from text-to-image calls, serves edits with one or two references
+    (FLUX.2 takes 64 px a side or more) whose tokens together fit its range (64-576) == eager; an
+    edit beyond it is refused saying so."""
+    _, _, compiled, eager = loaded(tmp_path_factory, name)
+    for references, size in (([seeded_image(64, 64)], 64), ([seeded_image(64, 64), seeded_image(64, 64)], 32)):
+        call = {"image": references, "height": size, "width": size}
+        np.testing.assert_allclose(run(compiled, **call), run(eager, **call), atol=ATOL, rtol=0)
+        assert compiled.transformer.last_variant == "dynamic"
+    with pytest.raises(ShapeNotSupportedError, match=r"hidden_states \[1, 1152, 16\].*an edited image of 96x96 px "
+                                                     r"adds its tokens to the output's"):
+        run(compiled, image=[seeded_image(96, 96)], height=96, width=96)
 
 
 def test_aotbuild_run_on_a_pipeline_built_by_capture(tmp_path, tmp_path_factory):
