@@ -382,6 +382,31 @@ def test_z_image_and_qwen_image_as_diffusers_users_call_them(name, img2img, call
     assert ("transformer_blocks.1.attn.to_add_out.weight" in unread) == (name == "cpu-tiny-qwen-image")
 
 
+def test_checkpoints_with_weights_no_compiled_code_reads_bind(tmp_path, tmp_path_factory):
+    """Every Qwen-Image checkpoint holds its last block's dead text stream, which no compiled code
+    reads: `apply` (the pipeline's own weights), `weights=` and `load_state_dict` take such a
+    checkpoint as eager does (they refused it as "another architecture" before)."""
+    target, built, _, _ = loaded(tmp_path_factory, "cpu-tiny-qwen-image")
+    call = {"height": 64, "width": 64}
+    finetuned = eager_pipeline(target, seed=7)
+    expected = run_prompt(finetuned, PROMPT, **call)
+    finetuned.save_pretrained(tmp_path / "finetune")
+    with pytest.warns(UncuratedPipelineWarning):
+        loaded_with = aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune")
+    np.testing.assert_allclose(run_prompt(loaded_with, PROMPT, **call), expected, atol=ATOL, rtol=0)
+    with pytest.warns(UncuratedPipelineWarning):
+        aotbuild.apply(finetuned, built.folder)
+    np.testing.assert_allclose(run_prompt(finetuned, PROMPT, **call), expected, atol=ATOL, rtol=0)
+    with pytest.warns(UncuratedPipelineWarning):
+        compiled = aotbuild.load_pipeline(built.folder)
+    eager, state = eager_pipeline(target), eager_pipeline(target, seed=7).transformer.state_dict()
+    assert "transformer_blocks.1.attn.to_add_out.weight" in state
+    for pipe in (compiled, eager):
+        pipe.transformer.load_state_dict(state)
+    np.testing.assert_allclose(run_prompt(compiled, PROMPT, **call), run_prompt(eager, PROMPT, **call), atol=ATOL,
+                               rtol=0)
+
+
 def test_a_python_value_following_the_size_fails_a_range_naming_it(tmp_path):
     """QwenImageTransformer2DModel takes the image's size as a Python list (img_shapes): a range
     over sizes fails the build naming that input, before anything is exported."""

@@ -12,7 +12,7 @@ torchao), so a serving machine needs no torchao.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +88,13 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         dtype: torch.dtype, recipe: str | None, device: torch.device) -> dict[str, torch.Tensor]:
+                         dtype: torch.dtype, recipe: str | None, device: torch.device,
+                         unread: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The constants of `expected` (the artifact's, with the dtypes, shapes and strides its code
     reads; left unread on the host) made on `device` from another checkpoint's `tensors` (a
     module's, see `module_tensors`); `dtype` and `recipe` are the component's recorded dtype and
-    quant recipe.
+    quant recipe; `unread`, the tensors of the architecture no compiled code reads (the manifest's:
+    dead in the model, like Qwen-Image's last text stream), which any checkpoint of it has.
 
     Constants that are not weights (tensors export lifted from the code) keep the artifact's.
 
@@ -130,11 +132,11 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
         else:  # lifted by export from the code, not a weight
             got = want
         result[fqn] = conform(component, fqn, got, want, device)
-    unread = sorted(set(tensors) - used)
-    if unread:
+    extra = sorted(set(tensors) - used - set(unread))
+    if extra:
         raise WeightsMismatchError(f"{component}: the weights have tensors the compiled code does not read, "
-                                   f"first {unread[0]!r} {list(tensors[unread[0]].shape)}: another architecture "
-                                   f"than the artifact's ({len(unread)} such tensors)")
+                                   f"first {extra[0]!r} {list(tensors[extra[0]].shape)}: another architecture "
+                                   f"than the artifact's ({len(extra)} such tensors)")
     return result
 
 
@@ -151,12 +153,13 @@ def conform(component: str, fqn: str, got: torch.Tensor, want: torch.Tensor, dev
 
 
 def placed_writes(component: str, given: dict[str, torch.Tensor], eager: dict[str, torch.Tensor],
-                  constants: dict[str, torch.Tensor], dtype: torch.dtype,
-                  recipe: str | None) -> list[tuple[str, slice, torch.Tensor]]:
+                  constants: dict[str, torch.Tensor], dtype: torch.dtype, recipe: str | None,
+                  unread: Collection[str] = ()) -> list[tuple[str, slice, torch.Tensor]]:
     """Where tensors of the eager module (`given`, any subset, named as the module names them;
     `eager`: every tensor of the module, for shapes) go in the compiled code's constants: one
     (constant, rows, values) per write, the values already in the constant's dtype (a fused
     projection's rows, an int8 weight's rows and scales made again with the recorded scheme).
+    A tensor no compiled code reads (`unread`, dead in the model) goes nowhere: it changes nothing.
     Nothing is written here: a caller checks every tensor before it changes any.
 
     Raises:
@@ -169,6 +172,8 @@ def placed_writes(component: str, given: dict[str, torch.Tensor], eager: dict[st
             raise WeightsMismatchError(f"{component}: tensor {name!r} is {list(tensor.shape)}; the model's is "
                                        f"{list(eager[name].shape)}")
         fqn, rows = placement(name, eager, constants)
+        if fqn is None and name in unread:
+            continue
         if fqn is None:
             raise WeightsMismatchError(f"{component}: the compiled code reads no constant made from {name!r}")
         if QUANTIZED in fqn:

@@ -169,7 +169,8 @@ class CompiledComponent(StandIn):
         """Where the state dict's tensors go in the bound weights (`checkpoint.placed_writes`)."""
         eager = self.eager_tensors() if eager is None else eager
         given = {name: tensor for name, tensor in state_dict.items() if name in eager}
-        return placed_writes(self.component_name, given, eager, self._weights, self._dtype, self._recipe)
+        return placed_writes(self.component_name, given, eager, self._weights, self._dtype, self._recipe,
+                             self._unread)
 
     def _write(self, writes: list[tuple[str, slice, torch.Tensor]], state_dict: Mapping[str, torch.Tensor]) -> None:
         """Write planned values into the bound weights (the caller holds the lock); the LoRA merges

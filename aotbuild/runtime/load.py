@@ -163,7 +163,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
                 tensors = checkpoint_constants(
                     name, module_tensors(spec.component(name).export_module(source)),
                     load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
-                    DTYPES[entry["dtype"]], recipe, context.device)
+                    DTYPES[entry["dtype"]], recipe, context.device, entry.get("unread", ()))
             package = folder / entry["package"]  # extracted only from bytes of the checked hash
             sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
             variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
