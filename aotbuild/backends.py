@@ -175,7 +175,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     if refused:
         raise AotbuildError(f"{type(pipe).__name__} takes no {refused[0]}",
                             hint=f"leave out the option that sets {refused[0]}")
-    call = {name: value for name, value in call.items() if name in taken}
+    # An option not given is not passed: the pipeline's own default holds (PixArt's negative_prompt is "").
+    call = {name: value for name, value in call.items() if name in taken and value is not None}
     start = time.perf_counter()
     with torch.no_grad():
         result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),

@@ -103,6 +103,18 @@ def test_the_default_call(family):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
 
 
+def test_aotbuild_run_and_bench_call_with_the_pipelines_own_defaults(family):
+    """`aotbuild run` and `bench` (backends.generate) pass only the options given: PixArt-Sigma's
+    negative prompt defaults to "" and crashed on the None they passed."""
+    from aotbuild.backends import generate
+
+    target, _, compiled, _ = family
+    bucket = target.shapes[0]
+    made = generate(compiled, PROMPT, steps=2, seed=0, height=bucket.height, width=bucket.width,
+                    guidance_scale=target.guidance_scale)
+    assert len(made.images) == 1 and made.images[0].size == (bucket.width, bucket.height)
+
+
 def test_more_images_than_compiled_are_refused_in_the_calls_terms(family):
     target, _, compiled, _ = family
     most = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
