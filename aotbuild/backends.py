@@ -177,10 +177,13 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
                             hint=f"leave out the option that sets {refused[0]}")
     # An option not given is not passed: the pipeline's own default holds (PixArt's negative_prompt is "").
     call = {name: value for name, value in call.items() if name in taken and value is not None}
+    if "callback_on_step_end" in taken:
+        call["callback_on_step_end"] = on_step_end
+    elif "callback" in taken:  # the older per-step hook (PixArt), whose **kwargs would swallow the newer one
+        call |= {"callback": lambda step, timestep, latents: on_step_end(pipe, step, timestep, {}), "callback_steps": 1}
     start = time.perf_counter()
     with torch.no_grad():
-        result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
-                      callback_on_step_end=on_step_end, **call)
+        result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)
     total = time.perf_counter() - start
     ends = [start, *marks]
     return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total,

@@ -104,8 +104,9 @@ def test_the_default_call(family):
 
 
 def test_aotbuild_run_and_bench_call_with_the_pipelines_own_defaults(family):
-    """`aotbuild run` and `bench` (backends.generate) pass only the options given: PixArt-Sigma's
-    negative prompt defaults to "" and crashed on the None they passed."""
+    """`aotbuild run` and `bench` (backends.generate) pass only the options given (PixArt-Sigma's
+    negative prompt defaults to "" and crashed on the None they passed), and time every step
+    (PixArt's call takes the older `callback`; its **kwargs swallowed `callback_on_step_end`)."""
     from aotbuild.backends import generate
 
     target, _, compiled, _ = family
@@ -113,6 +114,7 @@ def test_aotbuild_run_and_bench_call_with_the_pipelines_own_defaults(family):
     made = generate(compiled, PROMPT, steps=2, seed=0, height=bucket.height, width=bucket.width,
                     guidance_scale=target.guidance_scale)
     assert len(made.images) == 1 and made.images[0].size == (bucket.width, bucket.height)
+    assert len(made.step_durations_s) == 2 and made.first_step_s < made.total_s
 
 
 def test_more_images_than_compiled_are_refused_in_the_calls_terms(family):
