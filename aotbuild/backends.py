@@ -168,9 +168,9 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
             pipe.set_progress_bar_config(disable=True)
         call["image"] = image.resize((width, height)) if height and width else image
         call["strength"] = strength
-        if height and width and "strength" not in inspect.signature(type(pipe).__call__).parameters:
-            call |= exact_size(type(pipe), height, width, editing=True)  # Flux Kontext edits the image
     taken = inspect.signature(type(pipe).__call__).parameters
+    if image is not None and height and width and "strength" not in taken:
+        call |= exact_size(type(pipe), height, width, editing=True)  # Flux Kontext edits the image
     refused = [name for name, value in call.items() if value is not None and name not in taken]
     if refused:
         raise AotbuildError(f"{type(pipe).__name__} takes no {refused[0]}",

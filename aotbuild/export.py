@@ -195,17 +195,15 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.detach().to(a.device))
 
 
-def name_constants_apart(programs: dict[str, torch.export.ExportedProgram]) -> dict[str, str]:
+def name_constants_apart(programs: dict[str, torch.export.ExportedProgram]) -> None:
     """Give each variant's lifted constant a name of its own where an earlier variant's program
     holds another tensor under that name. Each export names the tensors its forward makes from
     Python data from 0 (`lifted_tensor_0`, ...): guided Z-Image's bucket lifts its RoPE tables under
     those names and its dynamic model boolean scalars, and one weights file would bind one
-    program's tensor into the other's code. Renamed in place, before compiling; returns
-    {new name: old name}."""
+    program's tensor into the other's code. Renamed in place, before compiling."""
     from torch.export.graph_signature import InputKind
 
     seen: dict[str, torch.Tensor] = {}
-    renamed: dict[str, str] = {}
     for variant, program in programs.items():
         for spec in program.graph_signature.input_specs:
             if spec.kind != InputKind.CONSTANT_TENSOR or not isinstance(value := program.constants[spec.target],
@@ -214,11 +212,9 @@ def name_constants_apart(programs: dict[str, torch.export.ExportedProgram]) -> d
             kept = seen.setdefault(spec.target, value)
             if kept is value or _same_tensor(kept, value):
                 continue
-            name = f"{variant}__{spec.target}"
+            name = f"{variant}__{spec.target}"  # variant names are unique: no later program takes it
             program.constants[name] = program.constants.pop(spec.target)
-            renamed[name], spec.target = spec.target, name
-            seen[name] = value
-    return renamed
+            spec.target = name
 
 
 def constants_of(programs: list[torch.export.ExportedProgram], bound: set[str]) -> dict[str, torch.Tensor]:
