@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
-from .pipelines import UNGUIDED, exact_size
+from .pipelines import FRAMES, UNGUIDED, exact_size, per_prompt
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -27,7 +27,7 @@ def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     first = recorded["shapes"][0]
     guidance = UNGUIDED if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
     return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
-            "batch": first["batch"], "guidance_scale": guidance}
+            "batch": first["batch"], "guidance_scale": guidance, "frames": first.get("frames")}
 
 
 def built_artifact(target: Target, artifacts_dir: Path) -> Path:
@@ -132,7 +132,7 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
 
 @dataclass
 class Generation:
-    images: list
+    images: list  # PIL images; for a video pipeline, videos (each its frames)
     first_step_s: float  # call start to the end of the first denoising step
     total_s: float
     step_durations_s: list[float]  # each denoising step (the first includes prompt encoding)
@@ -140,10 +140,12 @@ class Generation:
 
 def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | None = None,
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
-             negative_prompt: str | None = None, image: Any = None, strength: float | None = None) -> Generation:
-    """One image call, timing the first denoising step (the cost a cold start shows) and the total.
-    With `image` (a PIL image), img2img: the pipeline's image-to-image sibling (`from_pipe`, sharing
-    its models) starts from it, resized to height x width; `strength` as diffusers takes it."""
+             negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
+             frames: int | None = None) -> Generation:
+    """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
+    cold start shows) and the total. With `image` (a PIL image), img2img: the pipeline's
+    image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
+    width; `strength` as diffusers takes it."""
     marks: list[float] = []
     # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
@@ -153,8 +155,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         marks.append(time.perf_counter())
         return kwargs
 
-    call: dict[str, Any] = {"num_inference_steps": steps, "num_images_per_prompt": batch,
-                            "guidance_scale": guidance_scale, "negative_prompt": negative_prompt}
+    call: dict[str, Any] = {"num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
+                            "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, FRAMES: frames}
     if image is None:
         call |= exact_size(type(pipe), height, width) if height and width else {}
     else:
@@ -183,8 +185,9 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         call |= {"callback": lambda step, timestep, latents: on_step_end(pipe, step, timestep, {}), "callback_steps": 1}
     start = time.perf_counter()
     with torch.no_grad():
-        result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **call)
+        result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **call)
     total = time.perf_counter() - start
     ends = [start, *marks]
-    return Generation(images=result.images, first_step_s=(marks[0] - start) if marks else total, total_s=total,
+    images = result.frames if hasattr(result, "frames") else result.images
+    return Generation(images=list(images), first_step_s=(marks[0] - start) if marks else total, total_s=total,
                       step_durations_s=[b - a for a, b in zip(ends, ends[1:], strict=False)])

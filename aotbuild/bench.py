@@ -370,7 +370,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     def call() -> Any:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
-                        width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale)
+                        width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
+                        frames=bucket.frames)
 
     started = since_spawn()
     first = call()

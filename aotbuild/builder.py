@@ -113,7 +113,8 @@ class _Stages:
 def variant_name(bucket: ShapeBucket) -> str:
     text = f"_text{bucket.max_sequence_length}" if bucket.max_sequence_length else ""
     edit = f"_image{bucket.image[0]}x{bucket.image[1]}" if bucket.image else ""
-    return f"b{bucket.batch}_{bucket.height}x{bucket.width}{text}{edit}"
+    frames = f"_{bucket.frames}f" if bucket.frames else ""
+    return f"b{bucket.batch}_{bucket.height}x{bucket.width}{frames}{text}{edit}"
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
@@ -268,8 +269,12 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
     points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None))
     regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
     instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}
+    eager_vae = _eager_vae(pipe, spec, specs)
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
-        reference, block_calls = _capture_all(pipe, spec, specs, target, points, device, stages.progress, instances)
+        reference, block_calls, seconds = _capture_all(pipe, spec, specs, target, points, device, stages.progress,
+                                                       instances, timed=eager_vae and eager_vae.pop("timed"))
+    if eager_vae:
+        eager_vae["share"] = _eager_share(pipe, plans[next(s.name for s in specs if s.denoiser)], seconds)
     found = regions.group(instances, block_calls) if instances else []
     for point, record in block_calls.items():
         reference[point] |= {r.name: regions.region_call(r, record) for r in found}
@@ -290,8 +295,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         modules, records = optimize_pipeline(pipe, specs, target)
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
-            optimized, block_calls = _capture_all(pipe, spec, specs, target, {n: points[n] for n in examples},
-                                                  device, stages.progress, instances)
+            optimized, block_calls, _ = _capture_all(pipe, spec, specs, target, {n: points[n] for n in examples},
+                                                     device, stages.progress, instances)
             for name, record in block_calls.items():  # the optimized blocks' calls, by region
                 optimized[name] |= {r.name: regions.region_call(r, record) for r in found}
         examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
@@ -342,6 +347,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         "optimizations": {"dtype": records["dtype"], "passes": records["passes"], "inductor": inductor_options},
         "components": components,
         "pipeline": {"curated": True} if spec.curated else {"curated": False, "note": UNCURATED},
+        **({"eager": {"vae": eager_vae}} if eager_vae else {}),
         "runtime": runtime,
         "files": {},
         "timings": {},
@@ -423,18 +429,20 @@ class CapturePoint:
     tile_of: str | None = None
     text: int | None = None  # the call's max_sequence_length (None: the pipeline takes none)
     image: tuple[int, int] | None = None  # the size of the image an editing call takes
+    frames: int | None = None  # a video's frame count (None: an image pipeline)
 
     def __str__(self) -> str:
         size = f"{self.batch}x{self.height}x{self.width}"
         if self.tile_of:
             return f"{self.tile_of} tile {size}"
         edit = f" editing {self.image[0]}x{self.image[1]}" if self.image else ""
-        return size + (f" text {self.text}" if self.text else "") + edit + ("" if self.guided else " unguided")
+        frames = f" {self.frames} frames" if self.frames else ""
+        return size + frames + (f" text {self.text}" if self.text else "") + edit + ("" if self.guided else " unguided")
 
     @property
-    def run(self) -> tuple[int, int, int, bool, int | None, tuple[int, int] | None]:
+    def run(self) -> tuple[int, int, int, bool, int | None, tuple[int, int] | None, int | None]:
         """What a pipeline run at this point is called with: points that share it share the run."""
-        return self.batch, self.height, self.width, self.guided, self.text, self.image
+        return self.batch, self.height, self.width, self.guided, self.text, self.image, self.frames
 
     @property
     def encoded(self) -> tuple[int, int]:
@@ -482,7 +490,8 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
             for images in sorted({bucket.batch, 1}, reverse=True):
                 suffix = ("" if images == bucket.batch else ":one") + ("" if guided == modes[0] else ":unguided")
                 points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided,
-                                                     text=bucket.max_sequence_length, image=bucket.image)
+                                                     text=bucket.max_sequence_length, image=bucket.image,
+                                                     frames=bucket.frames)
         for s in specs:
             served = [p for p in points if p.split(":")[0] == name
                       and (s.denoiser or points[p].guided == modes[0])]
@@ -538,10 +547,12 @@ def _tile_ranges(spec: ComponentSpec, vae: Any, stride: int, largest: int) -> di
 
 def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
                  device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module] | None = None,
-                 ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls]]:
-    """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}): one pipeline
-    call per distinct point for the components the pipeline calls; random inputs for the others
-    (the encoder) and for tiles.
+                 timed: dict[str, tuple[torch.nn.Module, str]] | None = None,
+                 ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls],
+                            dict[str, dict[str, float]]]:
+    """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
+    seconds in each of the `timed` methods}): one pipeline call per distinct point for the
+    components the pipeline calls; random inputs for the others (the encoder) and for tiles.
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
     batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
@@ -568,6 +579,7 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
         module.to(device)
     runs_done: dict[tuple, dict] = {}
     block_runs: dict[tuple, regions.BlockCalls] = {}
+    seconds: dict[str, dict[str, float]] = {}
     calls: dict[str, dict[str, capture.CapturedCall]] = {}
     block_calls: dict[str, regions.BlockCalls] = {}
     for name, point in points.items():
@@ -577,19 +589,51 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
-                with regions.recording(blocks or {}) as block_runs[key]:
+                with regions.recording(blocks or {}) as block_runs[key], capture.timed(timed or {}) as seconds[name]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
                         guidance_scale=target.guidance_scale if point.guided else UNGUIDED, text=point.text,
                         prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras,
-                        image=point.image)
+                        image=point.image, frames=point.frames)
             calls[name].update(runs_done[key])
             if blocks:
                 block_calls[name] = block_runs[key]
         for s in specs:
             if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
-    return calls, block_calls
+    return calls, block_calls, seconds
+
+
+def _eager_vae(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:
+    """Why the pipeline's VAE decodes eager where no part of it is compiled, and the methods whose
+    time the reference capture measures for `_eager_share` (None: a VAE part is compiled, or no VAE)."""
+    vae = getattr(pipe, "vae", None)
+    denoiser = next((s for s in specs if s.denoiser), None)
+    if vae is None or denoiser is None or any(s.attribute == "vae" for s in specs):
+        return None
+    if "vae_decoder" in spec.components:
+        reason = "the target's [components] lists no vae_decoder"
+    else:
+        reason = (f"{type(vae).__name__} is not an AutoencoderKL, the VAE whose decoder and encoder aotbuild "
+                  f"compiles")
+    return {"class": type(vae).__name__, "reason": reason,
+            "timed": {"decode": (vae, "decode"), "denoiser": (getattr(pipe, denoiser.attribute), denoiser.method)}}
+
+
+def _eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The eager VAE's share of a generation at each of the denoiser's buckets (`plans`), from the
+    one-step reference capture (eager float32 on the build machine): decode / (decode + the
+    denoiser's seconds per step x the pipeline's default number of steps)."""
+    parameter = inspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
+    steps = parameter.default if parameter is not None and isinstance(parameter.default, int) else 50
+    shares = {}
+    for plan in plans:
+        measured = seconds.get(plan.points[0])
+        if plan.kind == "bucket" and measured and measured["denoiser"] > 0:
+            decode, step = measured["decode"], measured["denoiser"]
+            shares[plan.name] = {"decode_s": round(decode, 4), "denoiser_step_s": round(step, 4), "steps": steps,
+                                 "share": round(decode / (decode + steps * step), 4)}
+    return shares
 
 
 def _tensor_shapes(call: capture.CapturedCall) -> list[list[int]]:
@@ -638,7 +682,8 @@ def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: lis
         bucket = plan.bucket
         entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width,
                            **({TEXT: bucket.max_sequence_length} if bucket.max_sequence_length else {}),
-                           **({"image": list(bucket.image)} if bucket.image else {})}
+                           **({"image": list(bucket.image)} if bucket.image else {}),
+                           **({"frames": bucket.frames} if bucket.frames else {})}
         entry["inputs"] = leaf_signature((call.args, call.kwargs))
         if leaf_dims is not None:
             tensor_dims = iter(leaf_dims)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .pipelines import TEXT, ComponentSpec, PipelineSpec, exact_size, seeded_image
+from .pipelines import TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
 
 
 @dataclass
@@ -71,6 +71,40 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
                 delattr(module, method)
 
 
+@contextlib.contextmanager
+def timed(methods: dict[str, tuple[torch.nn.Module, str]]) -> Iterator[dict[str, float]]:
+    """Within the block, the seconds spent in each named module method, summed over its calls
+    (the device synchronized around each). Wrapped on the instance, removed afterwards, as
+    `recording` does."""
+    import time
+
+    seconds = dict.fromkeys(methods, 0.0)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    patched = []
+    for name, (module, method) in methods.items():
+        original = getattr(module, method)
+
+        def timing(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            sync()
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                sync()
+                seconds[_name] += time.perf_counter() - start
+
+        patched.append((module, method, method in vars(module), original))
+        setattr(module, method, functools.wraps(original)(timing))
+    try:
+        yield seconds
+    finally:
+        for module, method, had_instance_attr, original in reversed(patched):
+            if had_instance_attr:
+                setattr(module, method, original)
+            else:
+                delattr(module, method)
+
+
 PROMPT = "a photo of a red fox in the snow"
 
 
@@ -101,7 +135,7 @@ def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_sca
     tokens: `max_sequence_length`), as the keyword arguments its call takes instead of the
     prompt (so the text encoders can leave the device)."""
     parameters = inspect.signature(pipe.encode_prompt).parameters
-    kwargs = {"prompt": capture_prompt(text), "device": device, "num_images_per_prompt": batch}
+    kwargs = {"prompt": capture_prompt(text), "device": device, per_prompt(pipe.encode_prompt): batch}
     if text is not None:
         kwargs[TEXT] = text
     kwargs |= {name: None for name in ("prompt_2", "prompt_3") if name in parameters}
@@ -115,22 +149,23 @@ def encode_prompt(pipe: Any, pipeline: PipelineSpec, *, batch: int, guidance_sca
 def capture_inputs(
     pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
-    extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None,
+    extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None, frames: int | None = None,
 ) -> dict[str, CapturedCall]:
     """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
-    `image`: the size of the image an editing call takes) and return the inputs of each component
+    `image`: the size of the image an editing call takes; `frames`: a video's) and return the inputs of each component
     it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
     and mask)."""
     specs = [s for s in specs if s.recorded]
-    prompt: dict[str, Any] = {"prompt": capture_prompt(text), "num_images_per_prompt": batch}
+    count = per_prompt(type(pipe).__call__)
+    prompt: dict[str, Any] = {"prompt": capture_prompt(text), count: batch}
     if prompt_embeds is not None:
-        prompt = {**prompt_embeds, "num_images_per_prompt": 1}
+        prompt = {**prompt_embeds, count: 1}
     if text is not None:
         prompt[TEXT] = text
     with recording(pipe, specs) as calls, torch.no_grad(), _quiet_truncation():
         pipe(
-            **prompt, **exact_size(type(pipe), height, width, editing=image is not None),
+            **prompt, **exact_size(type(pipe), height, width, editing=image is not None, frames=frames),
             **({"image": seeded_image(*image)} if image else {}),
             num_inference_steps=1, guidance_scale=guidance_scale, output_type="np",
             generator=torch.Generator("cpu").manual_seed(0), **(extras or {}),

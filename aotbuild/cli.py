@@ -135,12 +135,14 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 @click.option("--width", type=click.IntRange(1), help="pixels (default: the target's first bucket)")
 @click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket; "
                                                       "1 with --image)")
+@click.option("--frames", type=click.IntRange(1), help="a video's frames (default: the target's first bucket's)")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="img2img: start from this image, or edit it (Flux Kontext); resized to the height and width "
                    "(needs the artifact's vae_encoder)")
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
-@click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG); several get -0, -1 ...")
+@click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
+                                                             "(MP4); several get -0, -1 ...")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="aot on CUDA: replay static buckets as CUDA graphs (default: the target's cuda_graphs)")
 @click.option("--weights", help="aot: another checkpoint of the artifact's architecture (diffusers folder or Hub "
@@ -154,11 +156,12 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
               help=ARTIFACTS_HELP)
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
-        batch: int | None, image: Path | None, strength: float | None, output: Path | None,
+        batch: int | None, frames: int | None, image: Path | None, strength: float | None, output: Path | None,
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
         trust_remote_code: bool, artifacts: Path) -> None:
-    """Generate an image with the artifact (aot) or the eager / torch.compile pipeline; with --image,
-    img2img from it, or an edit of it where the pipeline edits images (Flux Kontext)."""
+    """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
+    torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
+    images (Flux Kontext)."""
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
 
     if (target_name is None) == (artifact is None):
@@ -168,8 +171,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                             f"give --target")
     if strength is not None and image is None:
         raise AotbuildError("--strength applies to img2img: give --image too")
-    if output is not None and output.suffix.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
-        raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name")
+    if output is not None and output.suffix.lower() not in (*IMAGE_SUFFIXES, VIDEO_SUFFIX):
+        raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name (.mp4 for a video)")
     if output is not None and not output.parent.is_dir():
         raise AotbuildError(f"--output {output}: folder {output.parent} does not exist")
     if cuda_graphs is not None and backend != "aot":
@@ -190,22 +193,50 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
     load_s = time.perf_counter() - start
     defaults = call_defaults(recorded)
+    video = defaults["frames"] is not None
+    if frames is not None and not video:
+        raise AotbuildError(f"--frames: {recorded['pipeline']} makes images, not videos")
+    if output is not None and video != (output.suffix.lower() == VIDEO_SUFFIX):
+        wanted = "videos: use a .mp4 file name" if video else "images: use a .png, .jpg or .webp file name"
+        raise AotbuildError(f"--output {output}: {recorded['pipeline']} makes {wanted}")
     if guidance_scale is None:
         guidance_scale = defaults["guidance_scale"]
     gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or defaults["height"],
                    width=width or defaults["width"], batch=batch or (1 if image else defaults["batch"]),
                    guidance_scale=guidance_scale,
-                   negative_prompt=negative_prompt, image=_read_image(image) if image else None, strength=strength)
+                   negative_prompt=negative_prompt, image=_read_image(image) if image else None, strength=strength,
+                   frames=frames or defaults["frames"])
     if output:
         for i, picture in enumerate(gen.images):
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
-            picture.save(path)
+            if video:
+                _write_video(picture, path)
+            else:
+                picture.save(path)
             click.echo(f"wrote {path}")
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
     mode = " img2img" if image else ""
+    made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
-               f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, "
-               f"{len(gen.images)} image(s))")
+               f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")
+
+
+def _write_video(frames: list[Any], path: Path) -> None:
+    """An MP4 of the frames (PIL images) by diffusers' `export_to_video` (imageio with its ffmpeg)."""
+    try:
+        import imageio  # noqa: F401  (diffusers falls back to OpenCV without it, warning only)
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        raise AotbuildError("writing an MP4 needs imageio and imageio-ffmpeg",
+                            hint="pip install 'aotbuild[video]'") from None
+    from diffusers.utils import export_to_video
+
+    export_to_video(frames, str(path), fps=VIDEO_FPS)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIX = ".mp4"
+VIDEO_FPS = 16  # Wan's frame rate
 
 
 def _read_image(path: Path) -> Any:
@@ -449,6 +480,7 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         f"artifact   {folder}",
         f"target     {t['name']}  ({t['pipeline']}, {t['device']}, {t['dtype']})",
         *([f"pipeline   {m['pipeline']['note']}"] if not m.get("pipeline", {}).get("curated", True) else []),
+        *_eager_text(m.get("eager", {})),
         f"source     {m['source']['id']}" + (f"@{m['source']['revision']}" if m['source'].get('revision') else "")
         + (f" seed={m['source']['seed']}" if m['source'].get('seed') is not None else ""),
         f"built      {m['created']} by aotbuild {m['aotbuild']}, torch {env['torch']}, {env['platform']}, "
@@ -486,6 +518,17 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         lines.append(f"default    pipe(prompt) without a size makes {served}: no variant covers the pipeline's own "
                      f"{sizes['native']}x{sizes['native']} px")
     return "\n".join(lines)
+
+
+def _eager_text(eager: dict[str, Any]) -> list[str]:
+    """eager      vae (AutoencoderKLWan): why; decode 0.19 s = 24% of a 50-step generation at b1_32x48_9f"""
+    lines = []
+    for name, part in eager.items():
+        shares = ", ".join(f"{s['decode_s']:.2f} s decode = {s['share']:.0%} of a {s['steps']}-step generation at "
+                           f"{bucket}" for bucket, s in part.get("share", {}).items())
+        lines.append(f"eager      {name} ({part['class']}) runs eager: {part['reason']}"
+                     + (f"; measured eager float32 at build: {shares}" if shares else ""))
+    return lines
 
 
 def _gpu_text(env: dict[str, Any]) -> str:

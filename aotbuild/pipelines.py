@@ -25,6 +25,8 @@ from .errors import TargetError
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 # The text length a pipeline pads its prompt to (diffusers' call argument): a shape like the size.
 TEXT = "max_sequence_length"
+# A video pipeline's frame count (diffusers' call argument; `frames` in a target's [[shapes]]).
+FRAMES = "num_frames"
 # The guidance_scale of a call without guidance: every pipeline's guidance is off at 0 (Z-Image
 # guides above 0, most pipelines above 1).
 UNGUIDED = 0.0
@@ -423,7 +425,9 @@ def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
     # Z-Image's transformer lists the patch sizes it has embedders for; its pipeline calls the first.
     patch = config.get("patch_size") or (config.get("all_patch_size") or [1])[0]
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # (frames, height, width) patches
-    if "block_out_channels" in vae:
+    if "scale_factor_spatial" in vae:  # Wan's VAE says it
+        factor = vae["scale_factor_spatial"]
+    elif "block_out_channels" in vae:
         factor = _vae_factor(configs)
     elif "temperal_downsample" in vae:  # Qwen-Image's and Wan's VAEs: 2 per (spatial) downsample
         factor = 2 ** len(vae["temperal_downsample"])
@@ -432,12 +436,16 @@ def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
     return factor * (2 if packed else patch)
 
 
-def exact_size(pipeline_class: type, height: int, width: int, *, editing: bool = False) -> dict[str, Any]:
-    """The call's arguments for an image of exactly height x width pixels (editing an image at the
-    size it is given), where the pipeline would choose another: Flux Kontext scales the size to
-    `max_area` (1024 x 1024 by default) and resizes the edited image to a size it was trained at."""
+def exact_size(pipeline_class: type, height: int, width: int, *, editing: bool = False,
+               frames: int | None = None) -> dict[str, Any]:
+    """The call's arguments for an image (or a video of `frames` frames) of exactly height x width
+    pixels (editing an image at the size it is given), where the pipeline would choose another:
+    Flux Kontext scales the size to `max_area` (1024 x 1024 by default) and resizes the edited
+    image to a size it was trained at."""
     parameters = inspect.signature(pipeline_class.__call__).parameters
     arguments: dict[str, Any] = {"height": height, "width": width}
+    if frames is not None:
+        arguments[FRAMES] = frames
     if "max_area" in parameters:
         arguments["max_area"] = height * width
     if editing and "_auto_resize" in parameters:
@@ -462,3 +470,30 @@ def default_text_length(class_name: str) -> int | None:
 
     parameter = inspect.signature(getattr(diffusers, class_name).__call__).parameters.get(TEXT)
     return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
+
+
+def default_frames(class_name: str) -> int | None:
+    """The frame count a video pipeline class makes by default (its call's `num_frames`), or None
+    for a pipeline that makes images."""
+    import diffusers
+
+    parameter = inspect.signature(getattr(diffusers, class_name).__call__).parameters.get(FRAMES)
+    return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
+
+
+def frame_stride(configs: dict[str, dict]) -> int:
+    """A video's frame count is 1 + a multiple of this: the VAE's temporal compression (Wan's and
+    Qwen-Image's VAEs halve the frames once per `temperal_downsample` that is true)."""
+    vae = configs.get("vae", {})
+    if "scale_factor_temporal" in vae:
+        return vae["scale_factor_temporal"]
+    if "temperal_downsample" in vae:
+        return 2 ** sum(bool(d) for d in vae["temperal_downsample"])
+    return vae.get("temporal_compression_ratio", 1)  # LTX-Video, CogVideoX
+
+
+def per_prompt(function: Callable) -> str:
+    """The argument of a pipeline's call (or `encode_prompt`) that counts images per prompt:
+    `num_videos_per_prompt` for video pipelines."""
+    parameters = inspect.signature(function).parameters
+    return "num_videos_per_prompt" if "num_videos_per_prompt" in parameters else "num_images_per_prompt"

@@ -114,17 +114,17 @@ def read_configs(folder: Path) -> dict[str, dict]:
 
 def pixel_stride(spec: PipelineSpec, source: str, base_dir: Path) -> int:
     """Height and width must be multiples of this; read from the configs when they are local."""
-    return _from_configs(source, base_dir, spec.pixel_stride, spec.default_stride)
+    return from_configs(source, base_dir, spec.pixel_stride, spec.default_stride)
 
 
 def max_pixels(spec: PipelineSpec, source: str, base_dir: Path) -> int | None:
     """The largest height and width the model takes (None: no limit of its own)."""
     if spec.max_pixels is None:
         return None
-    return _from_configs(source, base_dir, spec.max_pixels, spec.default_max_pixels)
+    return from_configs(source, base_dir, spec.max_pixels, spec.default_max_pixels)
 
 
-def _from_configs(source: str, base_dir: Path, read: Any, default: Any) -> Any:
+def from_configs(source: str, base_dir: Path, read: Any, default: Any) -> Any:
     """`read(configs)` where the source's configs are on this machine, else the Hub model's `default`."""
     folder = local_folder(source, base_dir)
     if folder is None:

@@ -17,7 +17,7 @@ import torch
 from .errors import SourceError, TargetError
 from .export import PROFILES, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
-from .pipelines import TEXT, default_text_length, pipeline_spec
+from .pipelines import TEXT, default_frames, default_text_length, frame_stride, pipeline_spec
 
 DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
@@ -38,21 +38,23 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 @dataclass(frozen=True)
 class ShapeBucket:
-    """A static shape: images per prompt, pixel size and, where the pipeline's call takes it, the
-    text length (None: the pipeline's default) and the (height, width) of the image an editing
-    call takes (Flux Kontext: its tokens join the denoiser's sequence; None: text-to-image calls).
-    Guidance doubles the denoiser batch."""
+    """A static shape: images (videos) per prompt, pixel size and, where the pipeline's call takes
+    it, the text length (None: the pipeline's default), the (height, width) of the image an editing
+    call takes (Flux Kontext: its tokens join the denoiser's sequence; None: text-to-image calls)
+    and a video's frame count (None: an image pipeline). Guidance doubles the denoiser batch."""
 
     batch: int
     height: int
     width: int
     max_sequence_length: int | None = None
     image: tuple[int, int] | None = None
+    frames: int | None = None
 
     def __str__(self) -> str:
         text = f"/text{self.max_sequence_length}" if self.max_sequence_length else ""
         edit = f"/image{self.image[0]}x{self.image[1]}" if self.image else ""
-        return f"{self.batch}x{self.height}x{self.width}{text}{edit}"
+        frames = f"/{self.frames}frames" if self.frames else ""
+        return f"{self.batch}x{self.height}x{self.width}{frames}{text}{edit}"
 
 
 @dataclass(frozen=True)
@@ -265,15 +267,22 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
+    video = default_frames(spec.class_name) is not None  # its call takes num_frames
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"
-        _expect(origin, where, table, dict, "a table {batch, height, width[, max_sequence_length][, image]}")
-        if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT, "image"}:
-            raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally {TEXT}, "
+        _expect(origin, where, table, dict, "a table {batch, height, width[, frames][, max_sequence_length][, image]}")
+        optional = {TEXT, "image", "frames"}
+        if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", *optional}:
+            raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally frames, {TEXT}, "
                               f"image); got {sorted(table)}")
         if TEXT in table:
             _check_takes_text(origin, f"{where}.{TEXT}", spec)
+        if video != ("frames" in table):
+            raise TargetError(f"{origin}: key {where!r}: {spec.class_name} makes videos: give its frames "
+                              f"(the call's num_frames)" if video else
+                              f"{origin}: key '{where}.frames': {spec.class_name} makes images, so frames is not a "
+                              f"shape to choose")
         table = dict(table)
         if "image" in table:
             table["image"] = _edited_image(origin, f"{where}.image", table["image"], stride, spec)
@@ -281,6 +290,9 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             value = _expect(origin, f"{where}.{dim}", table[dim], int, "a positive integer")
             if value <= 0:
                 raise TargetError(f"{origin}: key '{where}.{dim}' must be positive, got {value}")
+        if "frames" in table:
+            _check_frames(origin, f"{where}.frames", table["frames"], _frame_stride(spec, source, base_dir, origin),
+                          spec)
         for dim in ("height", "width"):
             if table[dim] % stride:
                 raise TargetError(
@@ -295,6 +307,10 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
+    if video and "dynamic" in raw:
+        raise TargetError(f"{origin}: key 'dynamic': a range of frames and sizes is not built yet for video "
+                          f"pipelines ({spec.class_name})", hint="list each frame count and size the deployment "
+                                                                 "serves as a [[shapes]] bucket")
     dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode) if "dynamic" in raw else None
     for axis in ("height", "width"):
         if dynamic:
@@ -363,6 +379,24 @@ def _edited_image(origin: str, key: str, value: Any, stride: int, spec: Any) -> 
             raise TargetError(f"{origin}: key {key!r} = {value}: {side} is not a multiple of {stride}, the pixel "
                               f"stride of this model")
     return value[0], value[1]
+
+
+def _frame_stride(spec: Any, source: str, base_dir: Path, origin: str) -> int:
+    from .sources import from_configs
+
+    try:  # a Hub source's configs are not read here: the build checks its frames against the pipeline's
+        return from_configs(source, base_dir, frame_stride, 1)
+    except SourceError as exc:
+        raise TargetError(f"{origin}: key 'source': {exc}") from None
+
+
+def _check_frames(origin: str, key: str, frames: int, step: int, spec: Any) -> None:
+    """A video's frame count is 1 + a multiple of the VAE's temporal compression: diffusers rounds
+    any other count to one (Wan warns, then makes fewer frames than asked)."""
+    if (frames - 1) % step:
+        below = (frames - 1) // step * step + 1
+        raise TargetError(f"{origin}: key {key!r} = {frames}: {spec.class_name} makes 1 + a multiple of {step} "
+                          f"frames (its VAE's temporal compression); {below} or {below + step} would be built")
 
 
 def _check_takes_text(origin: str, key: str, spec: Any) -> None:

@@ -236,8 +236,9 @@ class CompiledComponent(StandIn):
             self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
         return self._lora
 
-    def cache_context(self, name: str) -> contextlib.AbstractContextManager:
-        """diffusers' CacheMixin hook (Flux enters it around each call); nothing to cache here."""
+    def cache_context(self, name: str, **where: Any) -> contextlib.AbstractContextManager:
+        """diffusers' CacheMixin hook (Flux enters it around each call; Wan says where the loop is:
+        step_index, sigma); nothing to cache here."""
         return contextlib.nullcontext()
 
     # -- calls --------------------------------------------------------------------------------
@@ -378,8 +379,8 @@ class MissingAttributeError(AotbuildError, AttributeError):
                                       "for calls the compiled code does not cover")
 
 
-def _images(low: int, high: int) -> str:
-    return f"{low} image{'s' * (high > 1)}" if low == high else f"{low}-{high} images"
+def _images(low: int, high: int, what: str = "image") -> str:
+    return f"{low} {what}{'s' * (high > 1)}" if low == high else f"{low}-{high} {what}s"
 
 
 def variant_coverage(entry: dict[str, Any]) -> str:
@@ -402,6 +403,8 @@ def variant_coverage(entry: dict[str, Any]) -> str:
         return f"{_span(d['height'])}x{_span(d['width'])} px{multiples}, {_images(*d['batch'])}{text}{suffix}"
     b = entry["bucket"]
     edit = f" editing a {b['image'][0]}x{b['image'][1]} px image" if "image" in b else ""
+    if "frames" in b:  # a video: "81 frames at 480x832 px, 1 video"
+        return f"{b['frames']} frames at {b['height']}x{b['width']} px, {_images(1, b['batch'], 'video')}{text}{suffix}"
     return f"{b['height']}x{b['width']} px{edit}, {_images(1, b['batch'])}{text}{suffix}"
 
 
@@ -422,11 +425,12 @@ def text_lengths(entry: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, guided: bool,
-                   text: int | None = None) -> bool:
-    """Whether a denoiser variant serves a text-to-image pipeline call of `images` at height x
-    width pixels, with guidance or without, at text length `text` (None: the pipeline's default,
-    or it takes none): what `variant_coverage` says, as a test. A bucket compiled for editing an
-    image serves no such call: the edited image's tokens are part of its sequence."""
+                   text: int | None = None, frames: int | None = None) -> bool:
+    """Whether a denoiser variant serves a text-to-image (or text-to-video, of `frames` frames)
+    pipeline call of `images` at height x width pixels, with guidance or without, at text length
+    `text` (None: the pipeline's default, or it takes none): what `variant_coverage` says, as a
+    test. A bucket compiled for editing an image serves no such call: the edited image's tokens
+    are part of its sequence."""
     guidance = entry.get("guidance")
     if entry.get("tile") or (guidance is not None and ("guided" if guided else "unguided") not in guidance):
         return False
@@ -439,7 +443,8 @@ def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, 
             d[axis][0] <= size <= d[axis][1] and size % d["stride"] == 0
             for axis, size in (("height", height), ("width", width)))
     b = entry["bucket"]
-    return (b["height"], b["width"]) == (height, width) and 1 <= images <= b["batch"] and "image" not in b
+    return ((b["height"], b["width"], b.get("frames")) == (height, width, frames) and 1 <= images <= b["batch"]
+            and "image" not in b)
 
 
 # Inputs a diffusers feature adds to a call, named as the user asks for that feature.
@@ -563,8 +568,8 @@ def pipeline_call() -> tuple[str, dict[str, Any]] | None:
         owner = frame.f_locals.get("self")
         if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
             # Flux Kontext scales height x width to max_area and resizes the edited image (image_height...).
-            names = ("height", "width", "num_images_per_prompt", "guidance_scale", TEXT, "max_area", "image_height",
-                     "image_width", "_auto_resize")
+            names = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt",
+                     "guidance_scale", TEXT, "max_area", "image_height", "image_width", "_auto_resize")
             return type(owner).__name__, {k: frame.f_locals.get(k) for k in names}
         frame = frame.f_back
     return None
