@@ -266,6 +266,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
                                         dtype=target.dtype)
         source = _source_record(target, folder)  # what was read: the commit a branch resolved to, a fingerprint
         pipe = _load_pipeline(target, spec, torch.device("cpu"), folder)  # _capture_all places the models
+    _check_frames(target, pipe)
     points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None))
     regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
     instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}
@@ -602,6 +603,16 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
             if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
     return calls, block_calls, seconds
+
+
+def _check_frames(target: Target, pipe: Any) -> None:
+    """Each bucket's frames against the loaded pipeline's temporal compression (a Hub source's
+    configs are first read here): diffusers would round another count and make fewer frames."""
+    step = getattr(pipe, "vae_scale_factor_temporal", 1)
+    for i, bucket in enumerate(target.shapes):
+        if bucket.frames is not None and (bucket.frames - 1) % step:
+            raise BuildError(f"target {target.name}: key 'shapes[{i}].frames' = {bucket.frames}: {target.pipeline} "
+                             f"makes 1 + a multiple of {step} frames (its VAE's temporal compression)")
 
 
 def _eager_vae(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:

@@ -356,6 +356,10 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
         read_attributes=_attributes_read(cls, attribute),
         call_inputs=_forward_without_return_dict if takes_return_dict else _as_called,
         output_class=_output_class(model.forward) if takes_return_dict else None)}
+    if types.get(f"{attribute}_2") is model:  # Wan 2.2 A14B: a second expert, switched to at boundary_ratio
+        components[f"{attribute}_2"] = dataclasses.replace(components[attribute], name=f"{attribute}_2",
+                                                           attribute=f"{attribute}_2",
+                                                           read_attributes=_attributes_read(cls, f"{attribute}_2"))
     if issubclass(types.get("vae", type(None)), diffusers.AutoencoderKL):
         components |= {"vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER}
     packed = hasattr(cls, "_pack_latents")  # 2x2 latent patches per token, packed by the pipeline

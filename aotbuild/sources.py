@@ -227,12 +227,14 @@ def load_components(
     import torch
 
     components: dict[str, Any] = {}
+    same_class: dict[type, int] = {}  # two models of one class (Wan 2.2's experts) get weights of their own
     for name, cls in component_classes(folder).items():
+        instance = same_class[cls] = same_class.get(cls, -1) + 1
         if name in skip:
             continue
         sub = folder / name
         if seed is not None:
-            obj = _random_component(cls, sub, seed)
+            obj = _random_component(cls, sub, seed + instance)
         elif issubclass(cls, torch.nn.Module):
             chosen = _weights_files([f"{name}/{p.name}" for p in sub.glob("*.safetensors")], name, half_files)
             fp16 = bool(chosen) and FP16_FILE.search(chosen[0]) is not None  # all variant files or none

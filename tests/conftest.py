@@ -58,10 +58,10 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
 PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
-              "cpu-tiny-z-image", "cpu-tiny-flux-kontext"),
+              "cpu-tiny-z-image", "cpu-tiny-flux-kontext", "cpu-tiny-wan"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-sd15-regional", "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
-              "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev"))
+              "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

@@ -1,0 +1,174 @@
+"""Video (WanPipeline, built by capture): frames are a shape. A bucket names its frame count, the
+transformer is compiled per bucket, the video VAE runs eager with its reason and measured share in
+the manifest. Compiled == eager with the same seeds at every bucket, with guidance on and off; Wan
+2.2's two experts each compiled on their own weights and switched at the boundary as eager switches
+them, LoRAs per expert through diffusers' API; calls outside what was compiled are refused in the
+call's terms; `aotbuild run` writes an MP4."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import aotbuild
+from aotbuild.cli import main
+from aotbuild.errors import ShapeNotSupportedError, TargetError
+from aotbuild.targets import load_target
+
+from .conftest import TARGETS, build_once, eager_pipeline, make_lora
+from .test_targets import write_target
+
+pytestmark = pytest.mark.slow
+ATOL = 1e-4  # frames in [0, 1]; float32 compiled vs eager differ by ~1e-6
+PROMPT = "a red fox running in the snow"
+
+
+def _built(tmp_path_factory, name):
+    """(target, build, compiled pipeline, eager pipeline)."""
+    target = load_target(TARGETS / f"{name}.toml")
+    built = build_once(tmp_path_factory, target)
+    return target, built, aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    return _built(tmp_path_factory, "cpu-tiny-wan")
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    return _built(tmp_path_factory, "cpu-tiny-wan22")
+
+
+def run(pipe, **call):
+    """9 frames at 32x48 px (the first bucket) unless the call says otherwise."""
+    call = {"height": 32, "width": 48, "num_frames": 9, "num_inference_steps": 2, "output_type": "np", **call}
+    return pipe(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).frames
+
+
+def both(compiled, eager, **call):
+    got = run(compiled, **call)
+    np.testing.assert_allclose(got, run(eager, **call), atol=ATOL, rtol=0)
+    return got
+
+
+def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
+    _, built, _, _ = wan
+    variants = {v["name"]: aotbuild.runtime.variant_coverage(v)
+                for v in built.manifest["components"]["transformer"]["variants"]}
+    assert variants == {"b1_32x48_9f": "9 frames at 32x48 px, 1 video, text length 512",
+                        "b1_32x32_5f": "5 frames at 32x32 px, 1 video, text length 512"}
+    vae = built.manifest["eager"]["vae"]
+    assert vae["class"] == "AutoencoderKLWan" and "not an AutoencoderKL" in vae["reason"]
+    for bucket in variants:  # measured at the build: the decode against 50 eager denoising steps
+        share = vae["share"][bucket]
+        assert share["steps"] == 50 and share["decode_s"] > 0 and share["denoiser_step_s"] > 0
+        assert share["share"] == pytest.approx(share["decode_s"] / (share["decode_s"] + 50 * share["denoiser_step_s"]),
+                                               abs=1e-3)
+    result = CliRunner().invoke(main, ["inspect", str(built.folder)])
+    assert "eager      vae (AutoencoderKLWan) runs eager: AutoencoderKLWan is not an AutoencoderKL" in result.output
+
+
+@pytest.mark.parametrize(("call", "variant"), [
+    ({}, "b1_32x48_9f"),
+    ({"height": 32, "width": 32, "num_frames": 5}, "b1_32x32_5f"),
+    ({"guidance_scale": 1.0}, "b1_32x48_9f"),  # no unconditional call
+    ({"negative_prompt": "blurry", "num_inference_steps": 3}, "b1_32x48_9f"),
+])
+def test_compiled_videos_match_eager(wan, call, variant):
+    _, _, compiled, eager = wan
+    frames = both(compiled, eager, **call)
+    assert frames.shape == (1, call.get("num_frames", 9), call.get("height", 32), call.get("width", 48), 3)
+    assert compiled.transformer.last_variant == variant
+
+
+def test_frames_or_videos_outside_the_buckets_are_refused_naming_them(wan):
+    _, _, compiled, _ = wan
+    covered = "this artifact covers: 9 frames at 32x48 px, 1 video, text length 512; 5 frames at 32x32 px"
+    with pytest.raises(ShapeNotSupportedError, match=r"transformer: no compiled variant for this call "
+                       r"\(WanPipeline\(height=32, width=48, num_frames=7, num_videos_per_prompt=1, .*" + covered):
+        run(compiled, num_frames=7)
+    with pytest.raises(ShapeNotSupportedError, match=r"num_frames=9, num_videos_per_prompt=2, .*" + covered):
+        run(compiled, num_videos_per_prompt=2)
+
+
+def test_wan22_experts_are_compiled_apart_and_switch_at_the_boundary_as_eager(wan22):
+    """transformer (t >= boundary_ratio x 1000) and transformer_2 (the steps after), each its own
+    weights; the same steps go to the same expert as in eager, at guidance on, off and a second
+    guidance scale for the low-noise expert."""
+    _, built, compiled, eager = wan22
+    files = built.manifest["files"]
+    assert files["transformer.safetensors"]["sha256"] != files["transformer_2.safetensors"]["sha256"]
+    counts = {}
+    for label, pipe in (("compiled", compiled), ("eager", eager)):
+        for expert in ("transformer", "transformer_2"):
+            counts[label, expert] = 0
+
+            def count(module, args, kwargs, key=(label, expert)):
+                counts[key] += 1
+            getattr(pipe, expert).register_forward_pre_hook(count, with_kwargs=True)
+    call = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 6}
+    for extra in ({}, {"guidance_scale": 1.0, "guidance_scale_2": 1.0}, {"guidance_scale_2": 2.0}):
+        both(compiled, eager, **call, **extra)
+    assert counts["compiled", "transformer"] == counts["eager", "transformer"] > 0
+    assert counts["compiled", "transformer_2"] == counts["eager", "transformer_2"] > 0
+    assert compiled.transformer.last_variant == compiled.transformer_2.last_variant == "b1_32x32_5f"
+
+
+def test_wan22_loras_per_expert_through_diffusers_api(wan22, tmp_path):
+    """A LoRA into each expert (`load_into_transformer_2=True` for the low-noise one), as most Wan
+    2.2 users run distillation LoRAs: compiled == eager, and each changes the video."""
+    target, built, _, _ = wan22
+    call = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 6}
+    compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+    plain = run(eager, **call)
+    lora = make_lora(eager, tmp_path, seed=1, alpha=64, targets=("to_q", "to_k", "to_v", "to_out.0"))
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora, adapter_name="high")
+    high = both(compiled, eager, **call)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora, adapter_name="low", load_into_transformer_2=True)
+    low = both(compiled, eager, **call)
+    assert np.abs(high - plain).max() > 1e-3 and np.abs(low - high).max() > 1e-3
+
+
+def test_run_writes_an_mp4_of_the_buckets_frames(wan, tmp_path):
+    _, built, _, _ = wan
+    imageio = pytest.importorskip("imageio.v3")
+    artifacts = built.folder.parent
+    out = tmp_path / "fox.mp4"
+    result = CliRunner().invoke(main, ["run", "--target", str(TARGETS / "cpu-tiny-wan.toml"), "--artifacts",
+                                       str(artifacts), "--prompt", PROMPT, "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 video(s) of 9 frames" in result.output
+    assert imageio.imread(out).shape == (9, 32, 48, 3)  # frames, height, width, RGB: read back
+    result = CliRunner().invoke(main, ["run", "--target", str(TARGETS / "cpu-tiny-wan.toml"), "--artifacts",
+                                       str(artifacts), "--prompt", PROMPT, "--output", str(tmp_path / "fox.png")])
+    assert result.exit_code == 1 and "WanPipeline makes videos: use a .mp4 file name" in result.output
+    assert not (tmp_path / "fox.png").exists()
+
+
+def test_frames_in_targets_are_checked(tmp_path):
+    (tmp_path / "configs").mkdir()
+    for name in ("tiny-wan", "tiny-sdxl"):
+        (tmp_path / "configs" / name).symlink_to(TARGETS / "configs" / name)
+    text = (TARGETS / "cpu-tiny-wan.toml").read_text().replace('name = "cpu-tiny-wan"', 'name = "t"')
+    path = write_target(tmp_path, text.replace("frames = 9", "frames = 8"))
+    with pytest.raises(TargetError, match=r"'shapes\[0\].frames' = 8: WanPipeline makes 1 \+ a multiple of 2 frames "
+                                          r"\(its VAE's temporal compression\); 7 or 9 would be built"):
+        load_target(path)
+    with pytest.raises(TargetError, match=r"'shapes\[1\]': WanPipeline makes videos: give its frames"):
+        load_target(write_target(tmp_path, text.replace("frames = 5\n", "")))
+    with pytest.raises(TargetError, match=r"'dynamic': a range of frames and sizes is not built yet for video"):
+        load_target(write_target(tmp_path, text + "\n[dynamic]\nbatch = [1, 1]\nheight = [32, 64]\nwidth = [32, 64]\n"))
+    sdxl = (TARGETS / "cpu-tiny-sdxl.toml").read_text().replace('name = "cpu-tiny-sdxl"', 'name = "t"')
+    sdxl = sdxl.replace("width = 64\n", "width = 64\nframes = 9\n", 1)
+    with pytest.raises(TargetError, match=r"'shapes\[0\].frames': StableDiffusionXLPipeline makes images"):
+        load_target(write_target(tmp_path, sdxl))
+    bucket = load_target(write_target(tmp_path, text)).shapes[0]
+    assert (bucket.frames, str(bucket)) == (9, "1x32x48/9frames")
+    assert json.loads(json.dumps(load_target(write_target(tmp_path, text)).to_dict()))["shapes"][0]["frames"] == 9
