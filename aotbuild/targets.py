@@ -353,6 +353,11 @@ def _parse_compile(origin: str, table: Any, spec: Any, components: dict[str, Any
             raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" compiles a denoiser's repeated blocks, "
                               f"and [components] has no denoiser "
                               f"({', '.join(n for n, c in spec.components.items() if c.denoiser)})")
+        denoisers = [name for name in components if spec.components[name].denoiser]
+        if len(denoisers) > 1:
+            raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" compiles the blocks of one denoiser, and "
+                              f"[components] has {len(denoisers)} ({', '.join(denoisers)}: Wan 2.2's experts)",
+                              hint='use [compile] mode = "whole" for both experts')
         if "quantize" in optimize:
             raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" does not combine with optimize.quantize: "
                               f"the code between blocks runs eager, and the runtime does not import torchao",

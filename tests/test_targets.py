@@ -57,12 +57,12 @@ def test_shipped_targets_parse_and_list():
 def test_every_shipped_target_serves_the_pipelines_default_call():
     """`pipe(prompt)` works as shipped: a bucket (or the dynamic range) covers the size the pipeline
     makes by default, or there is a square bucket the compiled pipeline defaults to instead."""
-    from aotbuild.pipelines import pipeline_spec
-    from aotbuild.sources import local_folder, read_configs
-
     import inspect
 
     import diffusers
+
+    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.sources import local_folder, read_configs
 
     hub_defaults = {"StableDiffusionPipeline": 512}  # SD 1.5 base; SDXL, SD3 and Flux make 1024 px
     for target in list_targets(TARGETS):

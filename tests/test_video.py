@@ -136,6 +136,18 @@ def test_wan22_loras_per_expert_through_diffusers_api(wan22, tmp_path):
     assert np.abs(high - plain).max() > 1e-3 and np.abs(low - high).max() > 1e-3
 
 
+def test_regional_mode_compiles_the_video_transformers_block_once(tmp_path_factory):
+    """Wan's transformer regionally: its WanTransformerBlocks are one region compiled once (Wan 14B
+    has 40 of them), the code between blocks eager; videos == eager, guided and not."""
+    target, built, compiled, eager = _built(tmp_path_factory, "cpu-tiny-wan-regional")
+    entry = built.manifest["components"]["transformer"]
+    assert entry["mode"] == "regional"
+    assert [(r["name"], len(r["instances"])) for r in entry["regions"]] == [("r0_WanTransformerBlock", 2)]
+    for call in ({}, {"guidance_scale": 1.0}):
+        both(compiled, eager, **call)
+        assert compiled.transformer.last_variant == "b1_32x48_9f"
+
+
 def test_run_writes_an_mp4_of_the_buckets_frames(wan, tmp_path):
     _, built, _, _ = wan
     imageio = pytest.importorskip("imageio.v3")
@@ -163,6 +175,11 @@ def test_frames_in_targets_are_checked(tmp_path):
         load_target(path)
     with pytest.raises(TargetError, match=r"'shapes\[1\]': WanPipeline makes videos: give its frames"):
         load_target(write_target(tmp_path, text.replace("frames = 5\n", "")))
+    wan22 = (TARGETS / "cpu-tiny-wan22.toml").read_text().replace('name = "cpu-tiny-wan22"', 'name = "t"')
+    (tmp_path / "configs" / "tiny-wan22").symlink_to(TARGETS / "configs" / "tiny-wan22")
+    with pytest.raises(TargetError, match=r"'compile.mode' = \"regional\" compiles the blocks of one denoiser, and "
+                                          r"\[components\] has 2 \(transformer, transformer_2: Wan 2.2's experts\)"):
+        load_target(write_target(tmp_path, wan22 + '\n[compile]\nmode = "regional"\n'))
     with pytest.raises(TargetError, match=r"'dynamic': a range of frames and sizes is not built yet for video"):
         load_target(write_target(tmp_path, text + "\n[dynamic]\nbatch = [1, 1]\nheight = [32, 64]\nwidth = [32, 64]\n"))
     sdxl = (TARGETS / "cpu-tiny-sdxl.toml").read_text().replace('name = "cpu-tiny-sdxl"', 'name = "t"')
