@@ -45,6 +45,15 @@ def eager_pipeline(target, seed: int | None = None):
     return _load_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
 
 
+def same_as_eager(run, compiled, eager, atol: float, **call):
+    """`run(compiled, **call)`, checked against `run(eager, **call)` within `atol`: the compiled output."""
+    import numpy as np
+
+    got = run(compiled, **call)
+    np.testing.assert_allclose(got, run(eager, **call), atol=atol, rtol=0)
+    return got
+
+
 def generate(pipe, bucket, steps: int = 2, seed: int = 0, **call):
     return pipe("a red fox in the snow", num_inference_steps=steps, height=bucket.height, width=bucket.width,
                 num_images_per_prompt=bucket.batch, guidance_scale=5.0, output_type="np",

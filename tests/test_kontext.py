@@ -17,7 +17,7 @@ from aotbuild.errors import ShapeNotSupportedError
 from aotbuild.pipelines import exact_size, seeded_image
 from aotbuild.targets import load_target
 
-from .conftest import TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora
+from .conftest import TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~1e-6
@@ -40,9 +40,7 @@ def run(pipe, **call):
 
 
 def both(compiled, eager, **call):
-    got = run(compiled, **call)
-    np.testing.assert_allclose(got, run(eager, **call), atol=ATOL, rtol=0)
-    return got
+    return same_as_eager(run, compiled, eager, ATOL, **call)
 
 
 def test_the_bucket_names_the_edited_image(kontext):

@@ -19,7 +19,7 @@ from aotbuild.cli import main
 from aotbuild.errors import ShapeNotSupportedError, TargetError
 from aotbuild.targets import load_target
 
-from .conftest import TARGETS, build_once, eager_pipeline, make_lora
+from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
 from .test_targets import write_target
 
 pytestmark = pytest.mark.slow
@@ -51,9 +51,7 @@ def run(pipe, **call):
 
 
 def both(compiled, eager, **call):
-    got = run(compiled, **call)
-    np.testing.assert_allclose(got, run(eager, **call), atol=ATOL, rtol=0)
-    return got
+    return same_as_eager(run, compiled, eager, ATOL, **call)
 
 
 def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
