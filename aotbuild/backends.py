@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
-from .pipelines import FRAMES, UNGUIDED, exact_size, per_prompt
+from .pipelines import FRAMES, UNGUIDED, exact_size, frames_step, per_prompt, requires_image
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -171,6 +171,13 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         call["image"] = image.resize((width, height)) if height and width else image
         call["strength"] = strength
     taken = inspect.signature(type(pipe).__call__).parameters
+    step = frames_step(pipe)
+    if frames is not None and (frames - 1) % step:  # diffusers would round it, warning only
+        below = (frames - 1) // step * step + 1
+        raise AotbuildError(f"{type(pipe).__name__} makes 1 + a multiple of {step} frames (its VAE's temporal "
+                            f"compression), not {frames}", hint=f"ask for {below} or {below + step} frames")
+    if image is None and requires_image(type(pipe)):
+        raise AotbuildError(f"{type(pipe).__name__} makes a video from an image: give one (--image)")
     if image is not None and height and width and "strength" not in taken:
         call |= exact_size(type(pipe), height, width, editing=True)  # Flux Kontext edits the image
     refused = [name for name, value in call.items() if value is not None and name not in taken]

@@ -51,6 +51,7 @@ from .pipelines import (
     ComponentSpec,
     PipelineSpec,
     default_text_length,
+    frames_step,
     pipeline_spec,
     plain_attribute,
     vae_factor,
@@ -608,7 +609,7 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
 def _check_frames(target: Target, pipe: Any) -> None:
     """Each bucket's frames against the loaded pipeline's temporal compression (a Hub source's
     configs are first read here): diffusers would round another count and make fewer frames."""
-    step = getattr(pipe, "vae_scale_factor_temporal", 1)
+    step = frames_step(pipe)
     for i, bucket in enumerate(target.shapes):
         if bucket.frames is not None and (bucket.frames - 1) % step:
             raise BuildError(f"target {target.name}: key 'shapes[{i}].frames' = {bucket.frames}: {target.pipeline} "

@@ -137,8 +137,9 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
                                                       "1 with --image)")
 @click.option("--frames", type=click.IntRange(1), help="a video's frames (default: the target's first bucket's)")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="img2img: start from this image, or edit it (Flux Kontext); resized to the height and width "
-                   "(needs the artifact's vae_encoder)")
+              help="img2img: start from this image, or edit it (Flux Kontext), or make a video from it (Wan's "
+                   "image-to-video); resized to the height and width (needs the artifact's vae_encoder, where the "
+                   "VAE is compiled)")
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
@@ -215,7 +216,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                 picture.save(path)
             click.echo(f"wrote {path}")
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
-    mode = " img2img" if image else ""
+    mode = (" image-to-video" if video else " img2img") if image else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")

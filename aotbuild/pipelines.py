@@ -366,7 +366,20 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     return PipelineSpec(
         class_name=class_name, components=components,
         pixel_stride=_unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed),
-        default_stride=64 if attribute == "unet" else 16, default_pixels=None, prompt_embeds=None, curated=False)
+        default_stride=64 if attribute == "unet" else 16, default_pixels=None, prompt_embeds=None, curated=False,
+        capture_extras=_image_extras if requires_image(cls) else None)
+
+
+def requires_image(cls: type) -> bool:
+    """Whether a pipeline's call cannot run without an image (Wan's image-to-video: the video starts
+    from it, resized to the call's size)."""
+    parameter = inspect.signature(cls.__call__).parameters.get("image")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _image_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    """The image a pipeline that requires one is captured with: seeded, at the call's size."""
+    return {"image": seeded_image(height, width)}
 
 
 def _attributes_read(cls: type, attribute: str) -> tuple[str, ...]:
@@ -476,13 +489,18 @@ def default_text_length(class_name: str) -> int | None:
     return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
 
 
-def default_frames(class_name: str) -> int | None:
-    """The frame count a video pipeline class makes by default (its call's `num_frames`), or None
-    for a pipeline that makes images."""
+def makes_video(class_name: str) -> bool:
+    """Whether a pipeline class makes videos: its call takes `num_frames` (Wan's defaults to 81,
+    CogVideoX's to its transformer's sample frames)."""
     import diffusers
 
-    parameter = inspect.signature(getattr(diffusers, class_name).__call__).parameters.get(FRAMES)
-    return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
+    return FRAMES in inspect.signature(getattr(diffusers, class_name).__call__).parameters
+
+
+def frames_step(pipe: Any) -> int:
+    """A loaded video pipeline's frame count is 1 + a multiple of this (Wan and CogVideoX name it
+    `vae_scale_factor_temporal`, LTX-Video `vae_temporal_compression_ratio`); 1 for images."""
+    return getattr(pipe, "vae_scale_factor_temporal", None) or getattr(pipe, "vae_temporal_compression_ratio", 1)
 
 
 def frame_stride(configs: dict[str, dict]) -> int:

@@ -17,7 +17,7 @@ import torch
 from .errors import SourceError, TargetError
 from .export import PROFILES, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
-from .pipelines import TEXT, default_frames, default_text_length, frame_stride, pipeline_spec
+from .pipelines import TEXT, default_text_length, frame_stride, makes_video, pipeline_spec
 
 DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
@@ -267,7 +267,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
-    video = default_frames(spec.class_name) is not None  # its call takes num_frames
+    video = makes_video(spec.class_name)
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"

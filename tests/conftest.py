@@ -4,6 +4,11 @@ a minute or two) into a temporary folder; tests that need a modified artifact co
 from __future__ import annotations
 
 import os
+
+# Builds here compile test-sized models: their AOTInductor wrapper's C++ at -O0 compiles ~14% faster
+# (the kernels keep -O3; the numbers are the same). Set before torch reads its inductor config, and
+# inherited by the background builders.
+os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 import re
 import shutil
 import subprocess
@@ -70,8 +75,9 @@ PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tin
               "cpu-tiny-z-image", "cpu-tiny-flux-kontext", "cpu-tiny-wan",
               "cpu-tiny-wan-regional"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
-              "cpu-tiny-sd15-regional", "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
-              "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22"))
+              "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
+              "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",
+              "cpu-tiny-wan-i2v"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

@@ -333,7 +333,7 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
     specs = [spec.component(n) for n in tiny_target.components]
     pipe = eager_pipeline(tiny_target)
     points, plans = _plan(tiny_target, spec, specs, pipe.vae)
-    reference, _ = _capture_all(pipe, spec, specs, tiny_target, points, torch.device("cpu"), lambda stage, msg: None)
+    reference, _, _ = _capture_all(pipe, spec, specs, tiny_target, points, torch.device("cpu"), lambda stage, msg: None)
     for calls in reference.values():
         for call in calls.values():
             call.output.mul_(1.5)  # as if the compiled models had drifted by a third

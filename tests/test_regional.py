@@ -26,7 +26,6 @@ ATOL = 1e-4  # images in [0, 1]; float32 regional vs eager measured ~2e-6
 PROMPT = "a red fox in the snow"
 REGIONAL = {  # target -> (its whole-model sibling, the blocks its denoiser has, regions expected)
     "cpu-tiny-sdxl-regional": ("cpu-tiny-sdxl", 4, 1),
-    "cpu-tiny-sd15-regional": ("cpu-tiny-sd15", None, None),
     "cpu-tiny-sd3-regional": ("cpu-tiny-sd3", 2, 2),  # the last joint block drops the text stream's output
     "cpu-tiny-flux-regional": ("cpu-tiny-flux", 2, 2),  # one double-stream, one single-stream block
     "cpu-tiny-flux2-klein-regional": ("cpu-tiny-flux2-klein", 2, 2),  # built by capture: no aotbuild entry

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 import aotbuild
 from aotbuild.cli import main
 from aotbuild.errors import ShapeNotSupportedError, TargetError
+from aotbuild.pipelines import seeded_image
 from aotbuild.targets import load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
@@ -157,9 +158,35 @@ def test_run_writes_an_mp4_of_the_buckets_frames(wan, tmp_path):
     assert "1 video(s) of 9 frames" in result.output
     assert imageio.imread(out).shape == (9, 32, 48, 3)  # frames, height, width, RGB: read back
     result = CliRunner().invoke(main, ["run", "--target", str(TARGETS / "cpu-tiny-wan.toml"), "--artifacts",
+                                       str(artifacts), "--prompt", PROMPT, "--frames", "8"])
+    assert result.exit_code == 1 and "WanPipeline makes 1 + a multiple of 2 frames (its VAE's temporal " \
+        "compression), not 8" in result.output and "ask for 7 or 9 frames" in result.output
+    result = CliRunner().invoke(main, ["run", "--target", str(TARGETS / "cpu-tiny-wan.toml"), "--artifacts",
                                        str(artifacts), "--prompt", PROMPT, "--output", str(tmp_path / "fox.png")])
     assert result.exit_code == 1 and "WanPipeline makes videos: use a .mp4 file name" in result.output
     assert not (tmp_path / "fox.png").exists()
+
+
+def test_image_to_video_matches_eager_from_any_image_size(tmp_path_factory, tmp_path):
+    """WanImageToVideoPipeline by capture (captured with a seeded image): the image is resized to
+    the call's size and its latents join the transformer's input on the channels, so one bucket
+    serves images of every size; compiled == eager, guided and not. `aotbuild run --image` makes
+    an MP4 from it, and without an image says it needs one."""
+    target, built, compiled, eager = _built(tmp_path_factory, "cpu-tiny-wan-i2v")
+    for image, extra in ((seeded_image(32, 48), {}), (seeded_image(40, 24), {}), (seeded_image(32, 48),
+                                                                                   {"guidance_scale": 1.0})):
+        both(compiled, eager, image=image, **extra)
+        assert compiled.transformer.last_variant == "b1_32x48_9f"
+    seeded_image(64, 64).save(tmp_path / "first.png")
+    command = ["run", "--target", str(TARGETS / "cpu-tiny-wan-i2v.toml"), "--artifacts", str(built.folder.parent),
+               "--prompt", PROMPT]
+    result = CliRunner().invoke(main, [*command, "--image", str(tmp_path / "first.png"),
+                                       "--output", str(tmp_path / "fox.mp4")])
+    assert result.exit_code == 0, result.output
+    assert "image-to-video" in result.output and "1 video(s) of 9 frames" in result.output
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 1 and "WanImageToVideoPipeline makes a video from an image: give one (--image)" \
+        in result.output
 
 
 def test_frames_in_targets_are_checked(tmp_path):
