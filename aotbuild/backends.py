@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
-from .pipelines import FRAMES, UNGUIDED, exact_size, frames_step, per_prompt, requires_image
+from .pipelines import FRAMES, UNGUIDED, exact_size, frames_around, frames_step, per_prompt, requires_image
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -172,10 +172,9 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         call["strength"] = strength
     taken = inspect.signature(type(pipe).__call__).parameters
     step = frames_step(pipe)
-    if frames is not None and (frames - 1) % step:  # diffusers would round it, warning only
-        below = (frames - 1) // step * step + 1
+    if frames is not None and (around := frames_around(frames, step)):
         raise AotbuildError(f"{type(pipe).__name__} makes 1 + a multiple of {step} frames (its VAE's temporal "
-                            f"compression), not {frames}", hint=f"ask for {below} or {below + step} frames")
+                            f"compression), not {frames}", hint=f"ask for {around[0]} or {around[1]} frames")
     if image is None and requires_image(type(pipe)):
         raise AotbuildError(f"{type(pipe).__name__} makes a video from an image: give one (--image)")
     if image is not None and height and width and "strength" not in taken:

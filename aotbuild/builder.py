@@ -51,6 +51,7 @@ from .pipelines import (
     ComponentSpec,
     PipelineSpec,
     default_text_length,
+    frames_around,
     frames_step,
     pipeline_spec,
     plain_attribute,
@@ -553,8 +554,9 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
                  ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls],
                             dict[str, dict[str, float]]]:
     """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
-    seconds in each of the `timed` methods}): one pipeline call per distinct point for the
-    components the pipeline calls; random inputs for the others (the encoder) and for tiles.
+    seconds in each of the `timed` methods and the run's steps}, for the point that ran the pipeline):
+    one pipeline call per distinct point for the components the pipeline calls; random inputs for
+    the others (the encoder) and for tiles.
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
     batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
@@ -591,12 +593,13 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
-                with regions.recording(blocks or {}) as block_runs[key], capture.timed(timed or {}) as seconds[name]:
+                with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
                         guidance_scale=target.guidance_scale if point.guided else UNGUIDED, text=point.text,
                         prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras,
-                        image=point.image, frames=point.frames)
+                        image=point.image, frames=point.frames, timed_methods=timed,
+                        timings=seconds.setdefault(name, {}))
             calls[name].update(runs_done[key])
             if blocks:
                 block_calls[name] = block_runs[key]
@@ -611,38 +614,39 @@ def _check_frames(target: Target, pipe: Any) -> None:
     configs are first read here): diffusers would round another count and make fewer frames."""
     step = frames_step(pipe)
     for i, bucket in enumerate(target.shapes):
-        if bucket.frames is not None and (bucket.frames - 1) % step:
+        if bucket.frames is not None and (around := frames_around(bucket.frames, step)):
             raise BuildError(f"target {target.name}: key 'shapes[{i}].frames' = {bucket.frames}: {target.pipeline} "
-                             f"makes 1 + a multiple of {step} frames (its VAE's temporal compression)")
+                             f"makes 1 + a multiple of {step} frames (its VAE's temporal compression); {around[0]} or "
+                             f"{around[1]} would be built")
 
 
 def _eager_vae(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:
     """Why the pipeline's VAE decodes eager where no part of it is compiled, and the methods whose
     time the reference capture measures for `_eager_share` (None: a VAE part is compiled, or no VAE)."""
     vae = getattr(pipe, "vae", None)
-    denoiser = next((s for s in specs if s.denoiser), None)
-    if vae is None or denoiser is None or any(s.attribute == "vae" for s in specs):
+    if vae is None or not any(s.denoiser for s in specs) or any(s.attribute == "vae" for s in specs):
         return None
     if "vae_decoder" in spec.components:
         reason = "the target's [components] lists no vae_decoder"
     else:
         reason = (f"{type(vae).__name__} is not an AutoencoderKL, the VAE whose decoder and encoder aotbuild "
                   f"compiles")
-    return {"class": type(vae).__name__, "reason": reason,
-            "timed": {"decode": (vae, "decode"), "denoiser": (getattr(pipe, denoiser.attribute), denoiser.method)}}
+    denoisers = {s.name: (getattr(pipe, s.attribute), s.method) for s in specs if s.denoiser}  # Wan 2.2: two
+    return {"class": type(vae).__name__, "reason": reason, "timed": {"decode": (vae, "decode"), **denoisers}}
 
 
 def _eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
     """The eager VAE's share of a generation at each of the denoiser's buckets (`plans`), from the
-    one-step reference capture (eager float32 on the build machine): decode / (decode + the
-    denoiser's seconds per step x the pipeline's default number of steps)."""
+    reference capture (eager float32 on the build machine, one step unless a model is called later):
+    decode / (decode + the denoisers' seconds per step x the pipeline's default number of steps)."""
     parameter = inspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
     steps = parameter.default if parameter is not None and isinstance(parameter.default, int) else 50
     shares = {}
     for plan in plans:
-        measured = seconds.get(plan.points[0])
-        if plan.kind == "bucket" and measured and measured["denoiser"] > 0:
-            decode, step = measured["decode"], measured["denoiser"]
+        measured = dict(seconds.get(plan.points[0]) or {})
+        decode, runs = measured.pop("decode", 0.0), measured.pop("steps", 0)
+        step = sum(measured.values()) / runs if runs else 0.0  # every denoiser call of a step
+        if plan.kind == "bucket" and step > 0:
             shares[plan.name] = {"decode_s": round(decode, 4), "denoiser_step_s": round(step, 4), "steps": steps,
                                  "share": round(decode / (decode + steps * step), 4)}
     return shares

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,33 +38,19 @@ def _detached(tree: Any) -> Any:
 
 
 @contextlib.contextmanager
-def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, CapturedCall]]:
-    """Within the block, the first call of each spec's method on the pipeline is recorded.
-
-    The method is wrapped on the instance with `functools.wraps`, so signatures stay intact, and
-    the instance attribute is removed afterwards: the module is left exactly as it was found.
-    """
-    calls: dict[str, CapturedCall] = {}
+def _wrapped(methods: dict[str, tuple[Any, str]], wrapper: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """Within the block, each named module method is `wrapper(name, original)`, set on the instance
+    with `functools.wraps` so signatures stay intact; the instance attributes are removed
+    afterwards: each module is left exactly as it was found."""
     patched = []
-    for spec in specs:
-        module = getattr(pipe, spec.attribute)
-        original = getattr(module, spec.method)
-
-        def record(*args: Any, _spec: ComponentSpec = spec, _original: Any = original, **kwargs: Any) -> Any:
-            output = _original(*args, **kwargs)
-            if _spec.name not in calls:
-                call_args, call_kwargs = _detached(_spec.call_inputs(args, kwargs))
-                sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
-                calls[_spec.name] = CapturedCall(tuple(call_args), dict(call_kwargs), _detached(sample))
-            return output
-
-        had_instance_attr = spec.method in vars(module)
-        setattr(module, spec.method, functools.wraps(original)(record))
-        patched.append((module, spec.method, had_instance_attr, original))
     try:
-        yield calls
+        for name, (module, method) in methods.items():
+            original = getattr(module, method)
+            patched.append((module, method, method in vars(module), original))
+            setattr(module, method, functools.wraps(original)(wrapper(name, original)))
+        yield
     finally:
-        for module, method, had_instance_attr, original in patched:
+        for module, method, had_instance_attr, original in reversed(patched):
             if had_instance_attr:
                 setattr(module, method, original)
             else:
@@ -72,37 +58,51 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
 
 
 @contextlib.contextmanager
+def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, CapturedCall]]:
+    """Within the block, the first call of each spec's method on the pipeline is recorded."""
+    calls: dict[str, CapturedCall] = {}
+    by_name = {spec.name: spec for spec in specs}
+
+    def recorder(name: str, original: Callable) -> Callable:
+        spec = by_name[name]
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            if name not in calls:
+                call_args, call_kwargs = _detached(spec.call_inputs(args, kwargs))
+                sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
+                calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), _detached(sample))
+            return output
+
+        return record
+
+    with _wrapped({spec.name: (getattr(pipe, spec.attribute), spec.method) for spec in specs}, recorder):
+        yield calls
+
+
+@contextlib.contextmanager
 def timed(methods: dict[str, tuple[torch.nn.Module, str]]) -> Iterator[dict[str, float]]:
     """Within the block, the seconds spent in each named module method, summed over its calls
-    (the device synchronized around each). Wrapped on the instance, removed afterwards, as
-    `recording` does."""
+    (the device synchronized around each)."""
     import time
 
     seconds = dict.fromkeys(methods, 0.0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
-    patched = []
-    for name, (module, method) in methods.items():
-        original = getattr(module, method)
 
-        def timing(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+    def timer(name: str, original: Callable) -> Callable:
+        def timing(*args: Any, **kwargs: Any) -> Any:
             sync()
             start = time.perf_counter()
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 sync()
-                seconds[_name] += time.perf_counter() - start
+                seconds[name] += time.perf_counter() - start
 
-        patched.append((module, method, method in vars(module), original))
-        setattr(module, method, functools.wraps(original)(timing))
-    try:
+        return timing
+
+    with _wrapped(methods, timer):
         yield seconds
-    finally:
-        for module, method, had_instance_attr, original in reversed(patched):
-            if had_instance_attr:
-                setattr(module, method, original)
-            else:
-                delattr(module, method)
 
 
 PROMPT = "a photo of a red fox in the snow"
@@ -153,12 +153,14 @@ def capture_inputs(
     pipe: Any, specs: list[ComponentSpec], *, batch: int, height: int, width: int, guidance_scale: float,
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
     extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None, frames: int | None = None,
+    timed_methods: dict[str, tuple[torch.nn.Module, str]] | None = None, timings: dict[str, float] | None = None,
 ) -> dict[str, CapturedCall]:
     """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
     `image`: the size of the image an editing call takes; `frames`: a video's) and return the inputs of each component
     it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
-    and mask)."""
+    and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
+    the run whose calls are returned, and that run's `steps`."""
     specs = [s for s in specs if s.recorded]
     count = per_prompt(type(pipe).__call__)
     prompt: dict[str, Any] = {"prompt": capture_prompt(text), count: batch}
@@ -167,7 +169,8 @@ def capture_inputs(
     if text is not None:
         prompt[TEXT] = text
     for steps in CAPTURE_STEPS:
-        with recording(pipe, specs) as calls, torch.no_grad(), _quiet_truncation():
+        with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds, torch.no_grad(), \
+                _quiet_truncation():
             pipe(
                 **prompt, **exact_size(type(pipe), height, width, editing=image is not None, frames=frames),
                 **({"image": seeded_image(*image)} if image else {}),
@@ -182,6 +185,8 @@ def capture_inputs(
 
         raise BuildError(f"the pipeline never called {', '.join(missing)} during capture "
                          f"(runs of up to {CAPTURE_STEPS[-1]} steps)")
+    if timings is not None:
+        timings.update(seconds, steps=steps)
     return calls
 
 

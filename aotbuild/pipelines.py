@@ -503,6 +503,16 @@ def frames_step(pipe: Any) -> int:
     return getattr(pipe, "vae_scale_factor_temporal", None) or getattr(pipe, "vae_temporal_compression_ratio", 1)
 
 
+def frames_around(frames: int, step: int) -> tuple[int, int] | None:
+    """None where a video pipeline makes `frames` frames (1 + a multiple of `step`, the VAE's
+    temporal compression), else the counts it makes just below and above: diffusers rounds any
+    other count, warning only."""
+    if (frames - 1) % step == 0:
+        return None
+    below = (frames - 1) // step * step + 1
+    return below, below + step
+
+
 def frame_stride(configs: dict[str, dict]) -> int:
     """A video's frame count is 1 + a multiple of this: the VAE's temporal compression (Wan's and
     Qwen-Image's VAEs halve the frames once per `temperal_downsample` that is true)."""

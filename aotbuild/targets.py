@@ -17,7 +17,7 @@ import torch
 from .errors import SourceError, TargetError
 from .export import PROFILES, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
-from .pipelines import TEXT, default_text_length, frame_stride, makes_video, pipeline_spec
+from .pipelines import TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
 
 DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
@@ -398,10 +398,9 @@ def _frame_stride(spec: Any, source: str, base_dir: Path, origin: str) -> int:
 def _check_frames(origin: str, key: str, frames: int, step: int, spec: Any) -> None:
     """A video's frame count is 1 + a multiple of the VAE's temporal compression: diffusers rounds
     any other count to one (Wan warns, then makes fewer frames than asked)."""
-    if (frames - 1) % step:
-        below = (frames - 1) // step * step + 1
+    if around := frames_around(frames, step):
         raise TargetError(f"{origin}: key {key!r} = {frames}: {spec.class_name} makes 1 + a multiple of {step} "
-                          f"frames (its VAE's temporal compression); {below} or {below + step} would be built")
+                          f"frames (its VAE's temporal compression); {around[0]} or {around[1]} would be built")
 
 
 def _check_takes_text(origin: str, key: str, spec: Any) -> None:
