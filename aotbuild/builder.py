@@ -647,7 +647,7 @@ def _eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[st
         decode, runs = measured.pop("decode", 0.0), measured.pop("steps", 0)
         step = sum(measured.values()) / runs if runs else 0.0  # every denoiser call of a step
         if plan.kind == "bucket" and step > 0:
-            shares[plan.name] = {"decode_s": round(decode, 4), "denoiser_step_s": round(step, 4), "steps": steps,
+            shares[plan.name] = {"decode_s": round(decode, 6), "denoiser_step_s": round(step, 6), "steps": steps,
                                  "share": round(decode / (decode + steps * step), 4)}
     return shares
 

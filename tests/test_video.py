@@ -63,11 +63,11 @@ def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
                         "b1_32x32_5f": "5 frames at 32x32 px, 1 video, text length 512"}
     vae = built.manifest["eager"]["vae"]
     assert vae["class"] == "AutoencoderKLWan" and "not an AutoencoderKL" in vae["reason"]
-    for bucket in variants:  # measured at the build: the decode against 50 eager denoising steps
+    for bucket in variants:  # measured at the build: the decode against 50 eager denoising steps (seconds to 1 us)
         share = vae["share"][bucket]
         assert share["steps"] == 50 and share["decode_s"] > 0 and share["denoiser_step_s"] > 0
         assert share["share"] == pytest.approx(share["decode_s"] / (share["decode_s"] + 50 * share["denoiser_step_s"]),
-                                               abs=1e-3)
+                                               abs=2e-4)
     result = CliRunner().invoke(main, ["inspect", str(built.folder)])
     assert "eager      vae (AutoencoderKLWan) runs eager: AutoencoderKLWan is not an AutoencoderKL" in result.output
 
