@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .errors import BuildError
 from .pipelines import TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
 
 
@@ -168,21 +169,25 @@ def capture_inputs(
         prompt = {**prompt_embeds, count: 1}
     if text is not None:
         prompt[TEXT] = text
-    for steps in CAPTURE_STEPS:
+    size = exact_size(type(pipe), height, width, editing=image is not None, frames=frames)
+    # A scheduler stretched to a terminal sigma (LTX-Video's shift_terminal) has no 1-step schedule.
+    first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
+    for steps in (s for s in CAPTURE_STEPS if s >= first):
         with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds, torch.no_grad(), \
                 _quiet_truncation():
-            pipe(
-                **prompt, **exact_size(type(pipe), height, width, editing=image is not None, frames=frames),
-                **({"image": seeded_image(*image)} if image else {}),
-                num_inference_steps=steps, guidance_scale=guidance_scale, output_type="np",
-                generator=torch.Generator("cpu").manual_seed(0), **(extras or {}),
-            )
+            try:
+                pipe(
+                    **prompt, **size, **({"image": seeded_image(*image)} if image else {}),
+                    num_inference_steps=steps, guidance_scale=guidance_scale, output_type="np",
+                    generator=torch.Generator("cpu").manual_seed(0), **(extras or {}),
+                )
+            except ValueError as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s)
+                raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
+                                 f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break
     if missing:
-        from .errors import BuildError
-
         raise BuildError(f"the pipeline never called {', '.join(missing)} during capture "
                          f"(runs of up to {CAPTURE_STEPS[-1]} steps)")
     if timings is not None:

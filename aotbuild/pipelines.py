@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import sys
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -413,14 +414,18 @@ def _component_types(cls: type) -> dict[str, type]:
 
 
 def _output_class(forward: Callable) -> str | None:
-    """Dotted path of the `BaseOutput` class a forward's return annotation names, if any."""
+    """Dotted path of the `BaseOutput` class a forward returns with `return_dict=True`, if any: the
+    one its return annotation names, else the one its source returns."""
     from diffusers.utils import BaseOutput
 
     try:
-        hint = typing.get_type_hints(forward).get("return")
+        found = _named_subclass(typing.get_type_hints(forward).get("return"), BaseOutput)
     except (NameError, TypeError):
-        return None
-    found = _named_subclass(hint, BaseOutput)
+        found = None
+    if found is None:  # annotated as a tensor (Wan, LTX-Video): the class its return_dict branch builds
+        namespace = vars(sys.modules[forward.__module__])
+        found = next((namespace[name] for name in re.findall(r"return\s+(\w+)\(", inspect.getsource(forward))
+                      if isinstance(namespace.get(name), type) and issubclass(namespace[name], BaseOutput)), None)
     return f"{found.__module__}.{found.__qualname__}" if found else None
 
 
@@ -444,6 +449,8 @@ def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch  # (frames, height, width) patches
     if "scale_factor_spatial" in vae:  # Wan's VAE says it
         factor = vae["scale_factor_spatial"]
+    elif "spatio_temporal_scaling" in vae:  # LTX-Video's VAE patches, then halves per scaling block
+        factor = vae.get("spatial_compression_ratio") or vae["patch_size"] * 2 ** sum(vae["spatio_temporal_scaling"])
     elif "block_out_channels" in vae:
         factor = _vae_factor(configs)
     elif "temperal_downsample" in vae:  # Qwen-Image's and Wan's VAEs: 2 per (spatial) downsample
@@ -521,7 +528,11 @@ def frame_stride(configs: dict[str, dict]) -> int:
         return vae["scale_factor_temporal"]
     if "temperal_downsample" in vae:
         return 2 ** sum(bool(d) for d in vae["temperal_downsample"])
-    return vae.get("temporal_compression_ratio", 1)  # LTX-Video, CogVideoX
+    if vae.get("temporal_compression_ratio"):  # CogVideoX's; LTX-Video's where its config gives it
+        return vae["temporal_compression_ratio"]
+    if "spatio_temporal_scaling" in vae:  # LTX-Video's, derived as its VAE derives it
+        return vae.get("patch_size_t", 1) * 2 ** sum(vae["spatio_temporal_scaling"])
+    return 1
 
 
 def per_prompt(function: Callable) -> str:

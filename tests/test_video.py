@@ -1,4 +1,4 @@
-"""Video (WanPipeline, built by capture): frames are a shape. A bucket names its frame count, the
+"""Video (Wan, LTX-Video, CogVideoX, built by capture): frames are a shape. A bucket names its frame count, the
 transformer is compiled per bucket, the video VAE runs eager with its reason and measured share in
 the manifest. Compiled == eager with the same seeds at every bucket, with guidance on and off; Wan
 2.2's two experts each compiled on their own weights and switched at the boundary as eager switches
@@ -7,6 +7,7 @@ call's terms; `aotbuild run` writes an MP4."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -15,10 +16,11 @@ import torch
 from click.testing import CliRunner
 
 import aotbuild
+from aotbuild.builder import build
 from aotbuild.cli import main
-from aotbuild.errors import ShapeNotSupportedError, TargetError
+from aotbuild.errors import BuildError, ShapeNotSupportedError, TargetError
 from aotbuild.pipelines import seeded_image
-from aotbuild.targets import load_target
+from aotbuild.targets import ShapeBucket, load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
 from .test_targets import write_target
@@ -145,6 +147,57 @@ def test_regional_mode_compiles_the_video_transformers_block_once(tmp_path_facto
     for call in ({}, {"guidance_scale": 1.0}):
         both(compiled, eager, **call)
         assert compiled.transformer.last_variant == "b1_32x48_9f"
+
+
+@pytest.mark.parametrize(("name", "size", "calls"), [
+    ("cpu-tiny-ltx", {"height": 32, "width": 64, "num_frames": 9},
+     ({}, {"guidance_scale": 1.0}, {"decode_timestep": 0.05, "decode_noise_scale": 0.025})),
+    ("cpu-tiny-cogvideox", {"height": 32, "width": 32, "num_frames": 9},  # rotary position embeddings (5B's)
+     ({}, {"guidance_scale": 1.0}, {"use_dynamic_cfg": True})),
+])
+def test_ltx_video_and_cogvideox_match_eager(tmp_path_factory, name, size, calls):
+    """LTXPipeline and CogVideoXPipeline by capture, each batching the guided call: compiled ==
+    eager with guidance on and off and each pipeline's own options. The stand-in returns what the
+    transformer returns (a tuple without return_dict: the pipelines index it; LTX-Video's and Wan's
+    forwards are annotated as returning a tensor)."""
+    _, built, compiled, eager = _built(tmp_path_factory, name)
+    (variant,) = [v["name"] for v in built.manifest["components"]["transformer"]["variants"]]
+    for call in calls:
+        frames = both(compiled, eager, **size, max_sequence_length=16, **call)
+        assert frames.shape == (1, size["num_frames"], size["height"], size["width"], 3)
+        assert compiled.transformer.last_variant == variant
+    seen = []
+    handle = eager.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(k), with_kwargs=True)
+    run(eager, **size, max_sequence_length=16)
+    handle.remove()
+    inputs = {k: v for k, v in seen[0].items() if k != "return_dict"}
+    for return_dict in (False, True):
+        got = compiled.transformer(**inputs, return_dict=return_dict)
+        want = eager.transformer(**inputs, return_dict=return_dict)
+        assert type(got) is type(want)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+
+
+def test_ltx_video_refuses_a_frame_rate_it_was_not_built_at(tmp_path_factory):
+    """LTX-Video's frame_rate sets the transformer's rope scale, a constant of the compiled code:
+    another frame rate is refused in the call's terms, not computed at the built one."""
+    _, _, compiled, _ = _built(tmp_path_factory, "cpu-tiny-ltx")
+    with pytest.raises(ShapeNotSupportedError, match=r"transformer: LTXPipeline's frame_rate=24 sets "
+                       r"rope_interpolation_scale key '0' to 0.0833\d*, compiled at 0.08; this artifact serves the "
+                       r"frame_rate it was built at \(the call's default\)"):
+        run(compiled, height=32, width=64, max_sequence_length=16, frame_rate=24)
+
+
+def test_a_size_the_pipeline_refuses_fails_the_build_in_its_words(tmp_path):
+    """LTXPipeline takes sizes in 32s whatever its VAE: a bucket of 32x48 fails at capture with
+    the pipeline's own reason and the call, and leaves nothing behind."""
+    target = load_target(TARGETS / "cpu-tiny-ltx.toml")
+    bucket = ShapeBucket(1, 32, 48, max_sequence_length=16, frames=9)
+    target = dataclasses.replace(target, name="ltx-48", shapes=(bucket,))
+    with pytest.raises(BuildError, match=r"LTXPipeline refuses the call the target asks for \(height=32, width=48, "
+                                         r"num_frames=9\): `height` and `width` have to be divisible by 32"):
+        build(target, tmp_path)
+    assert not any((tmp_path / "ltx-48").glob("*"))
 
 
 def test_run_writes_an_mp4_of_the_buckets_frames(wan, tmp_path):

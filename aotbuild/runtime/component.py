@@ -277,10 +277,10 @@ class CompiledComponent(StandIn):
             with torch.no_grad():
                 outputs = self._spec.export_module(self._eager[0])(*call_args, **call_kwargs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        if not return_dict:  # the module's tuple, whatever the class it would return
+            return tuple(outputs)
         if self._spec.output_class is None:  # a VAE part: the tensor, as diffusers' encoder/decoder give it
             return outputs[0]
-        if not return_dict:
-            return tuple(outputs)
         module_name, class_name = self._spec.output_class.rsplit(".", 1)
         return getattr(importlib.import_module(module_name), class_name)(sample=outputs[0])
 
@@ -460,6 +460,9 @@ FEATURE_INPUTS = {
     "timestep_cond": "a guidance embedding (time_cond_proj_dim)",
 }
 
+# The denoiser's constant inputs a pipeline call's argument sets, to name that argument in refusals.
+CALL_SETS = {"rope_interpolation_scale": "frame_rate"}  # LTX-Video: VAE temporal compression / frame_rate
+
 
 def unsupported_call(component: str, variants: list[CompiledVariant], args: tuple, kwargs: dict) -> str:
     """Why no variant takes this call, in the user's terms: an input the compiled code was not
@@ -481,6 +484,11 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
         shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
         traced = spec.get("value", "a tensor")
         if shown != traced and not (shown == "a tensor" and "value" not in spec):
+            argument = CALL_SETS.get(path.split(".")[0])
+            if argument and (call := pipeline_call()) and call[1].get(argument) is not None:
+                return (f"{component}: {call[0]}'s {argument}={call[1][argument]!r} sets {_input_name(path)} to "
+                        f"{shown}, compiled at {traced}; this artifact serves the {argument} it was built at "
+                        f"(the call's default)")
             return (f"{_input_name(path)} is {shown} in this call and {traced} in the compiled "
                     f"{component}{_feature(path)}")
     missing = [p for p, spec in expected.items() if p not in given and spec.get("value") not in ("None", "{}")]
@@ -569,7 +577,8 @@ def pipeline_call() -> tuple[str, dict[str, Any]] | None:
         if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
             # Flux Kontext scales height x width to max_area and resizes the edited image (image_height...).
             names = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt",
-                     "guidance_scale", TEXT, "max_area", "image_height", "image_width", "_auto_resize")
+                     "guidance_scale", TEXT, "max_area", "image_height", "image_width", "_auto_resize",
+                     *CALL_SETS.values())
             return type(owner).__name__, {k: frame.f_locals.get(k) for k in names}
         frame = frame.f_back
     return None
