@@ -164,6 +164,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext)."""
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
+    from .media import check_video_writer, video_fps, write_video
 
     if (target_name is None) == (artifact is None):
         raise AotbuildError("give --target NAME or --artifact FOLDER|hf://org/name[@revision]")
@@ -176,6 +177,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name (.mp4 for a video)")
     if output is not None and not output.parent.is_dir():
         raise AotbuildError(f"--output {output}: folder {output.parent} does not exist")
+    if output is not None and output.suffix.lower() == VIDEO_SUFFIX:
+        check_video_writer()  # before the load and the video, not after
     if cuda_graphs is not None and backend != "aot":
         raise AotbuildError(f"--cuda-graphs/--no-cuda-graphs apply to --backend aot, not {backend}")
     start = time.perf_counter()
@@ -211,7 +214,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         for i, picture in enumerate(gen.images):
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
             if video:
-                _write_video(picture, path)
+                write_video(picture, path, video_fps(type(pipe)))
             else:
                 picture.save(path)
             click.echo(f"wrote {path}")
@@ -222,22 +225,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")
 
 
-def _write_video(frames: list[Any], path: Path) -> None:
-    """An MP4 of the frames (PIL images) by diffusers' `export_to_video` (imageio with its ffmpeg)."""
-    try:
-        import imageio  # noqa: F401  (diffusers falls back to OpenCV without it, warning only)
-        import imageio_ffmpeg  # noqa: F401
-    except ImportError:
-        raise AotbuildError("writing an MP4 needs imageio and imageio-ffmpeg",
-                            hint="pip install 'aotbuild[video]'") from None
-    from diffusers.utils import export_to_video
-
-    export_to_video(frames, str(path), fps=VIDEO_FPS)
-
-
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIX = ".mp4"
-VIDEO_FPS = 16  # Wan's frame rate
 
 
 def _read_image(path: Path) -> Any:
@@ -400,8 +389,9 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
 def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
           cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int,
           variant: str | None, trust_remote_code: bool) -> None:
-    """Serve text-to-image over HTTP on Ray Serve: each replica loads the artifact once; POST JSON
-    (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images, output) to the URL."""
+    """Serve text-to-image (text-to-video) over HTTP on Ray Serve: each replica loads the artifact
+    once; POST JSON (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images,
+    frames, output) to the URL: a PNG (an MP4), or JSON."""
     from .hub import check_trusted
     from .serve import parse_autoscale, run_server
 

@@ -1,7 +1,7 @@
 """Serving on Ray Serve (the optional extra `aotbuild[ray]`): each replica loads the artifact once,
-in its constructor, and serves text-to-image over HTTP.
+in its constructor, and serves text-to-image (text-to-video) over HTTP.
 
-    POST /        {"prompt": "...", "steps": 4, "seed": 0, ...}  -> image/png, or JSON with base64 PNGs
+    POST /        {"prompt": "...", "steps": 4, "seed": 0, ...}  -> image/png (video/mp4), or JSON with base64 ones
     GET  /health  200 with what the replica serves, once its compiled models are loaded
 
 A bad request (unknown field, wrong type, a size no compiled variant covers, more steps than
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AotbuildError
+from .media import mp4_bytes, png_bytes, video_fps
 
 APP_NAME = "aotbuild"
 # Each request field and what it means; `images` is num_images_per_prompt.
@@ -41,8 +41,10 @@ REQUEST_FIELDS = {
     "height": "pixels",
     "width": "pixels",
     "seed": "the generator's seed",
-    "images": "images for the prompt",
-    "output": '"png" (one image, the body is the PNG) or "json" (base64 PNGs)',
+    "images": "images (videos) for the prompt",
+    "frames": "a video's frame count (an artifact that makes videos)",
+    "output": '"png" (one image, the body is the PNG), "mp4" (one video, the body is the MP4) or "json" (base64 '
+              'PNGs or MP4s)',
 }
 MAX_STEPS = 50
 MAX_IMAGES = 4
@@ -103,14 +105,21 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
     guidance = body.get("guidance_scale", defaults["guidance_scale"])
     if isinstance(guidance, bool) or not isinstance(guidance, int | float) or not 0 <= guidance < math.inf:
         raise RequestError(400, f"field 'guidance_scale' must be a finite number >= 0, got {json.dumps(guidance)}")
-    output = body.get("output", "png")
-    if output not in ("png", "json"):
-        raise RequestError(400, f'field \'output\' is "png" or "json", got {json.dumps(output)}')
+    video = defaults.get("frames") is not None
+    if "frames" in body and not video:
+        raise RequestError(400, "field 'frames': this artifact makes images, not videos")
+    single = "mp4" if video else "png"
+    output = body.get("output", single)
+    if output not in (single, "json"):
+        raise RequestError(400, f'field \'output\' is "{single}" or "json", got {json.dumps(output)}')
     request = {"prompt": prompt, "negative_prompt": negative, "steps": integer("steps", 1, max_steps),
                "guidance_scale": float(guidance), "height": integer("height", 1), "width": integer("width", 1),
-               "seed": integer("seed", 0, 2**63 - 1), "images": integer("images", 1, max_images), "output": output}
-    if output == "png" and request["images"] > 1:
-        raise RequestError(400, f'"output": "png" returns one image; ask "output": "json" for {request["images"]}')
+               "seed": integer("seed", 0, 2**63 - 1), "images": integer("images", 1, max_images),
+               "frames": integer("frames", 1) if video else None, "output": output}
+    if output == single and request["images"] > 1:
+        made = "video" if video else "image"
+        raise RequestError(400, f'"output": "{single}" returns one {made}; ask "output": "json" for '
+                                f'{request["images"]}')
     return request
 
 
@@ -136,14 +145,15 @@ def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | 
     compile backends are held to the largest call the target covers."""
     from .runtime.component import CompiledComponent, variant_coverage, variant_covers
 
-    images, height, width = call["images"], call["height"], call["width"]
+    images, height, width, frames = call["images"], call["height"], call["width"], call.get("frames")
     guided = call["guidance_scale"] > 1
     denoiser = next((m for m in pipe.components.values() if isinstance(m, CompiledComponent) and m.denoiser), None)
     if denoiser is not None:
         entries = [v.entry for v in denoiser.variants]
-        if any(variant_covers(entry, images, height, width, guided) for entry in entries):
+        if any(variant_covers(entry, images, height, width, guided, frames=frames) for entry in entries):
             return None
-        return (f"no compiled variant makes {images} image(s) at {height}x{width} px "
+        made = f"{images} image(s)" if frames is None else f"{images} video(s) of {frames} frames"
+        return (f"no compiled variant makes {made} at {height}x{width} px "
                 f"{'with' if guided else 'without'} guidance; this artifact covers: "
                 + "; ".join(variant_coverage(entry) for entry in entries))
     sizes = [(s["height"], s["width"], s["batch"]) for s in recorded["shapes"]]
@@ -161,12 +171,6 @@ _MACHINE_PATH = re.compile(r"(?<![\w.~-])(?:/[\w.@+-]+){2,}/?")
 def scrubbed(text: str) -> str:
     """`text` without machine paths (a client learns nothing of the server's file system)."""
     return _MACHINE_PATH.sub("<path>", text)
-
-
-def png_bytes(image: Any) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 class ImageServer:
@@ -251,17 +255,25 @@ class ImageServer:
             _log.exception("request %s failed", request_id)
             return answer(500, f"the server failed to make this image; request {request_id}")
         headers = {**ids, "x-aotbuild-seconds": f"{seconds:.4f}"}
-        if call["output"] == "png":
-            return Response(png_bytes(images[0]), media_type="image/png", headers=headers)
-        return JSONResponse({"images": [base64.b64encode(png_bytes(i)).decode() for i in images],
+        encoded = await asyncio.to_thread(self._encoded, call, images)
+        if call["output"] != "json":
+            return Response(encoded[0], media_type="image/png" if call["output"] == "png" else "video/mp4",
+                            headers=headers)
+        return JSONResponse({"videos" if call["frames"] else "images": [base64.b64encode(e).decode() for e in encoded],
                              "replica": replica, "request": request_id, "seconds": seconds}, headers=headers)
+
+    def _encoded(self, call: dict[str, Any], made: list[Any]) -> list[bytes]:
+        """PNGs of the images, or MP4s of the videos (lists of frames)."""
+        if call["frames"] is None:
+            return [png_bytes(image) for image in made]
+        return [mp4_bytes(frames, video_fps(type(self.pipe))) for frames in made]
 
     def _generate(self, call: dict[str, Any]) -> tuple[list[Any], float]:
         from .backends import generate
 
         result = generate(self.pipe, call["prompt"], steps=call["steps"], seed=call["seed"], height=call["height"],
                           width=call["width"], batch=call["images"], guidance_scale=call["guidance_scale"],
-                          negative_prompt=call["negative_prompt"])
+                          negative_prompt=call["negative_prompt"], frames=call["frames"])
         return result.images, result.total_s
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,8 +24,9 @@ from PIL import Image
 from aotbuild.cli import main
 from aotbuild.errors import UntrustedCodeError
 from aotbuild.serve import REQUEST_FIELDS, RequestError, parse_request, request
+from aotbuild.targets import load_target
 
-from .conftest import ROOT, TARGETS
+from .conftest import ROOT, TARGETS, build_once
 from .hubserver import FakeHub
 
 TOKEN = "hf_aotbuildRayTestToken42"
@@ -37,9 +39,18 @@ LATENCIES: dict[str, list[float]] = {}  # request kind -> seconds, printed at th
 def test_request_defaults_and_fields():
     call = parse_request({"prompt": "a fox"}, DEFAULTS)
     assert call == {"prompt": "a fox", "negative_prompt": None, "steps": 4, "guidance_scale": 5.0, "height": 64,
-                    "width": 64, "seed": 0, "images": 1, "output": "png"}
+                    "width": 64, "seed": 0, "images": 1, "frames": None, "output": "png"}
     call = parse_request({"prompt": "a fox", "images": 3, "output": "json", "guidance_scale": 1}, {**DEFAULTS})
     assert (call["images"], call["output"], call["guidance_scale"]) == (3, "json", 1.0)
+    video = {**DEFAULTS, "frames": 9}  # an artifact that makes videos: its first bucket's frames, one MP4
+    assert {k: parse_request({"prompt": "a fox"}, video)[k] for k in ("frames", "output")} == {"frames": 9,
+                                                                                              "output": "mp4"}
+    assert parse_request({"prompt": "a fox", "frames": 5, "images": 2, "output": "json"}, video)["frames"] == 5
+    for body, words in (({"prompt": "a fox", "output": "png"}, 'field \'output\' is "mp4" or "json", got "png"'),
+                        ({"prompt": "a fox", "images": 2}, '"output": "mp4" returns one video; ask "output": "json"'),
+                        ({"prompt": "a fox", "frames": 0}, "field 'frames' is 0; this server takes at least 1")):
+        with pytest.raises(RequestError, match=re.escape(words)):
+            parse_request(body, video)
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -54,6 +65,7 @@ def test_request_defaults_and_fields():
     ({"prompt": "a fox", "images": 2}, 400, '"output": "png" returns one image; ask "output": "json" for 2'),
     ({"prompt": "a fox", "guidance_scale": -1}, 400, "field 'guidance_scale' must be a finite number >= 0"),
     ({"prompt": "a fox", "output": "gif"}, 400, "field 'output' is \"png\" or \"json\""),
+    ({"prompt": "a fox", "frames": 9}, 400, "field 'frames': this artifact makes images, not videos"),
 ])
 def test_bad_requests_are_named(body, status, words):
     with pytest.raises(RequestError) as info:
@@ -336,6 +348,44 @@ def urllib_post_raw(url: str, data: bytes) -> tuple[int, bytes]:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+@pytest.mark.slow
+def test_a_served_video_is_the_mp4_aotbuild_run_writes(tmp_path_factory, http_port, tmp_path):
+    """A Wan artifact served: the body is an MP4 of the requested frames, the video `aotbuild run`
+    writes for the same arguments; frames outside the buckets get a 422 naming them."""
+    import torch
+    from ray import serve
+
+    from aotbuild.serve import app, deploy
+
+    imageio = pytest.importorskip("imageio.v3")
+    built = build_once(tmp_path_factory, load_target(TARGETS / "cpu-tiny-wan.toml"))
+    deploy(app(str(built.folder), cpus=0.5), "video", "/video")
+    url = f"http://127.0.0.1:{http_port}/video"
+    try:
+        body = {"prompt": "a red fox running", "steps": 2, "seed": 3, "frames": 5, "height": 32, "width": 32}
+        status, headers, mp4 = _post(url, body, "2-step video")
+        refused = _post(url, {**body, "frames": 7}, "refused")
+        threads = json.loads(request(url + "/health")[2])["threads"]
+    finally:
+        serve.delete("video")
+    assert status == 200 and headers["content-type"] == "video/mp4", mp4[:300]
+    assert refused[0] == 422 and "no compiled variant makes 1 video(s) of 7 frames at 32x32 px with guidance; " \
+        "this artifact covers: 9 frames at 32x48 px" in json.loads(refused[2])["error"]
+    (tmp_path / "served.mp4").write_bytes(mp4)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", body["prompt"],
+                                           "--steps", "2", "--seed", "3", "--frames", "5", "--height", "32",
+                                           "--width", "32", "--output", str(tmp_path / "run.mp4")])
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert result.exit_code == 0, result.output
+    served, ran = imageio.imread(tmp_path / "served.mp4"), imageio.imread(tmp_path / "run.mp4")
+    assert served.shape == ran.shape == (5, 32, 32, 3)
+    assert np.array_equal(served, ran) and served.std() > 1  # the same frames through the same encoder
 
 
 @pytest.mark.slow
