@@ -137,6 +137,22 @@ def test_wan22_loras_per_expert_through_diffusers_api(wan22, tmp_path):
     assert np.abs(high - plain).max() > 1e-3 and np.abs(low - high).max() > 1e-3
 
 
+def test_wan22_other_checkpoints_bind_to_each_expert(wan22, tmp_path):
+    """Another Wan 2.2 checkpoint (a fine-tune: other weights in both experts) by `weights=` and by
+    `apply`: each expert binds its own weights from it, and the videos are that checkpoint's."""
+    target, built, _, eager = wan22
+    call = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 6}
+    finetuned = eager_pipeline(target, seed=7)
+    expected = run(finetuned, **call)
+    assert np.abs(expected - run(eager, **call)).max() > 1e-3  # the fine-tune makes another video
+    finetuned.save_pretrained(tmp_path / "finetune")
+    loaded = aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune")
+    aotbuild.apply(finetuned, built.folder)
+    for pipe in (loaded, finetuned):
+        np.testing.assert_allclose(run(pipe, **call), expected, atol=ATOL, rtol=0)
+        assert pipe.transformer.last_variant == pipe.transformer_2.last_variant == "b1_32x32_5f"  # both compiled
+
+
 def test_regional_mode_compiles_the_video_transformers_block_once(tmp_path_factory):
     """Wan's transformer regionally: its WanTransformerBlocks are one region compiled once (Wan 14B
     has 40 of them), the code between blocks eager; videos == eager, guided and not."""
