@@ -404,6 +404,14 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
 
         artifact = str(Path(artifact).resolve())  # replicas may start in another folder
         target = read_manifest(Path(artifact))["target"]  # a wrong folder fails here, not in every replica
+        import diffusers
+
+        from .pipelines import requires_image
+
+        if requires_image(getattr(diffusers, target["pipeline"])):
+            raise AotbuildError(f"{target['pipeline']} makes a video from an image, and aotbuild serve takes text "
+                                f"requests only", hint="serve a text-to-video artifact; aotbuild run --image makes "
+                                                       "this one's videos")
         if target["device"] == "cuda":
             gpus = 1 if gpus is None else gpus
             gpu_type = gpu_type or target["gpu"]["name"]

@@ -256,6 +256,9 @@ def test_image_to_video_matches_eager_from_any_image_size(tmp_path_factory, tmp_
     result = CliRunner().invoke(main, command)
     assert result.exit_code == 1 and "WanImageToVideoPipeline makes a video from an image: give one (--image)" \
         in result.output
+    result = CliRunner().invoke(main, ["serve", "--artifact", str(built.folder)])  # refused before Ray starts
+    assert result.exit_code == 1 and "WanImageToVideoPipeline makes a video from an image, and aotbuild serve " \
+        "takes text requests only" in result.output
 
 
 def test_frames_in_targets_are_checked(tmp_path):
