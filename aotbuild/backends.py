@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
-from .pipelines import FRAMES, UNGUIDED, exact_size, frames_around, frames_step, per_prompt, requires_image
+from .pipelines import FRAMES, TEXT, UNGUIDED, exact_size, frames_around, frames_step, per_prompt, requires_image
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -22,12 +22,14 @@ DEFAULT_STEPS = 4
 
 def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     """What a call leaves out defaults to, from a target's recorded content (a manifest's
-    `target`, or `Target.to_dict()`): its first bucket and its guidance (0, off, for an
-    artifact built without guidance), 4 steps, seed 0. `aotbuild run` and `aotbuild serve`."""
+    `target`, or `Target.to_dict()`): its first bucket (its text length too: a bucket built at
+    another than the call's default serves only that) and its guidance (0, off, for an artifact
+    built without guidance), 4 steps, seed 0. `aotbuild run` and `aotbuild serve`."""
     first = recorded["shapes"][0]
     guidance = UNGUIDED if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
     return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
-            "batch": first["batch"], "guidance_scale": guidance, "frames": first.get("frames")}
+            "batch": first["batch"], "guidance_scale": guidance, "frames": first.get("frames"),
+            "text": first.get("max_sequence_length")}
 
 
 def built_artifact(target: Target, artifacts_dir: Path) -> Path:
@@ -141,11 +143,11 @@ class Generation:
 def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | None = None,
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
-             frames: int | None = None) -> Generation:
+             frames: int | None = None, text: int | None = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
     cold start shows) and the total. With `image` (a PIL image), img2img: the pipeline's
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
-    width; `strength` as diffusers takes it."""
+    width; `strength` as diffusers takes it. `text`: the call's max_sequence_length (None: its default)."""
     marks: list[float] = []
     # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
@@ -156,7 +158,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         return kwargs
 
     call: dict[str, Any] = {"num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
-                            "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, FRAMES: frames}
+                            "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, FRAMES: frames,
+                            TEXT: text}
     if image is None:
         call |= exact_size(type(pipe), height, width) if height and width else {}
     else:

@@ -375,7 +375,7 @@ def _worker(args: argparse.Namespace) -> None:
     def call() -> Any:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
                         width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
-                        frames=bucket.frames, image=image)
+                        frames=bucket.frames, image=image, text=bucket.max_sequence_length)
 
     started = since_spawn()
     first = call()

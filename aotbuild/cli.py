@@ -209,7 +209,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                    width=width or defaults["width"], batch=batch or (1 if image else defaults["batch"]),
                    guidance_scale=guidance_scale,
                    negative_prompt=negative_prompt, image=_read_image(image) if image else None, strength=strength,
-                   frames=frames or defaults["frames"])
+                   frames=frames or defaults["frames"], text=defaults["text"])
     if output:
         for i, picture in enumerate(gen.images):
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")

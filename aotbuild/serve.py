@@ -273,7 +273,7 @@ class ImageServer:
 
         result = generate(self.pipe, call["prompt"], steps=call["steps"], seed=call["seed"], height=call["height"],
                           width=call["width"], batch=call["images"], guidance_scale=call["guidance_scale"],
-                          negative_prompt=call["negative_prompt"], frames=call["frames"])
+                          negative_prompt=call["negative_prompt"], frames=call["frames"], text=self.defaults["text"])
         return result.images, result.total_s
 
 

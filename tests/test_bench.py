@@ -65,14 +65,15 @@ def test_package_cache_is_safe_under_concurrent_extraction(built, tmp_path, monk
 
 @pytest.mark.slow
 def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
-    # Klein: the cheapest target to torch.compile twice (its VAE runs eager); the cases are the same for all.
-    target = load_target(TARGETS / "cpu-tiny-flux2-klein.toml")
+    # LTX-Video: the cheapest target to torch.compile twice (its VAE runs eager), and a video: its bucket's
+    # frames and text length are the call's. The cases are the same for all.
+    target = load_target(TARGETS / "cpu-tiny-ltx.toml")
     folder = build_once(tmp_path_factory, target).folder
     artifacts = tmp_path / "artifacts"  # bench.json goes into the artifact: use a copy
     shutil.copytree(folder, artifacts / folder.name)
     plot = tmp_path / "bench.png"
     result = CliRunner().invoke(main, [
-        "bench", "--target", str(TARGETS / "cpu-tiny-flux2-klein.toml"), "--artifacts", str(artifacts),
+        "bench", "--target", str(TARGETS / "cpu-tiny-ltx.toml"), "--artifacts", str(artifacts),
         "--repeats", "1", "--steps", "2", "--steady", "1", "--plot", str(plot)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     document = json.loads((artifacts / folder.name / "bench.json").read_text())
@@ -84,7 +85,7 @@ def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
             assert run[figure] > 0
         assert run["first_step_s"] >= run["ready_s"]
     assert document["runs"]["aot"][0]["artifact_mib"] > 0 and document["ratio_to_aot"]["aot"]["first_step_s"] == 1
-    assert document["environment"]["torch"] and document["meta"]["shape"] == "2x64x64"
+    assert document["environment"]["torch"] and document["meta"]["shape"] == "1x32x64/9frames/text16"
     assert "ratio to aot" in result.output and plot.stat().st_size > 10_000
 
 

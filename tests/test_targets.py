@@ -65,10 +65,13 @@ def test_every_shipped_target_serves_the_pipelines_default_call():
     from aotbuild.sources import local_folder, read_configs
 
     hub_defaults = {"StableDiffusionPipeline": 512}  # SD 1.5 base; SDXL, SD3 and Flux make 1024 px
+    # CogVideoX's call defaults to its transformer's sample size: the 5B's 60x90 latents x 8, 13 x 4 + 1 frames.
+    video_defaults = {"CogVideoXPipeline": (480, 720, 49)}
     for target in list_targets(TARGETS):
         if target.shapes[0].frames:  # a video: the call's own default (Wan: 81 frames at 480x832 px)
             defaults = inspect.signature(getattr(diffusers, target.pipeline).__call__).parameters
-            native = tuple(defaults[a].default for a in ("height", "width", "num_frames"))
+            native = video_defaults.get(target.pipeline) or tuple(
+                defaults[a].default for a in ("height", "width", "num_frames"))
             # A tiny CPU video target cannot afford Wan's default (131k tokens): its refusal names it.
             assert target.device == "cpu" or any((b.height, b.width, b.frames) == native for b in target.shapes), \
                 target.name

@@ -194,10 +194,15 @@ def test_ltx_video_and_cogvideox_match_eager(tmp_path_factory, name, size, calls
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
 
 
-def test_ltx_video_refuses_a_frame_rate_it_was_not_built_at(tmp_path_factory):
-    """LTX-Video's frame_rate sets the transformer's rope scale, a constant of the compiled code:
+def test_ltx_video_runs_at_its_buckets_text_length_and_refuses_another_frame_rate(tmp_path_factory, tmp_path):
+    """`aotbuild run` calls the pipeline at the bucket's text length (16, not LTXPipeline's 128).
+    LTX-Video's frame_rate sets the transformer's rope scale, a constant of the compiled code:
     another frame rate is refused in the call's terms, not computed at the built one."""
-    _, _, compiled, _ = _built(tmp_path_factory, "cpu-tiny-ltx")
+    _, built, compiled, _ = _built(tmp_path_factory, "cpu-tiny-ltx")
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", PROMPT, "--steps", "2",
+                                       "--output", str(tmp_path / "fox.mp4")])
+    assert result.exit_code == 0, result.output
+    assert "1 video(s) of 9 frames" in result.output and (tmp_path / "fox.mp4").stat().st_size > 0
     with pytest.raises(ShapeNotSupportedError, match=r"transformer: LTXPipeline's frame_rate=24 sets "
                        r"rope_interpolation_scale key '0' to 0.0833\d*, compiled at 0.08; this artifact serves the "
                        r"frame_rate it was built at \(the call's default\)"):
