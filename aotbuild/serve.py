@@ -147,21 +147,22 @@ def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | 
 
     images, height, width, frames = call["images"], call["height"], call["width"], call.get("frames")
     guided = call["guidance_scale"] > 1
+    made = f"{images} image(s)" if frames is None else f"{images} video(s) of {frames} frames"
     denoiser = next((m for m in pipe.components.values() if isinstance(m, CompiledComponent) and m.denoiser), None)
     if denoiser is not None:
         entries = [v.entry for v in denoiser.variants]
         if any(variant_covers(entry, images, height, width, guided, frames=frames) for entry in entries):
             return None
-        made = f"{images} image(s)" if frames is None else f"{images} video(s) of {frames} frames"
         return (f"no compiled variant makes {made} at {height}x{width} px "
                 f"{'with' if guided else 'without'} guidance; this artifact covers: "
                 + "; ".join(variant_coverage(entry) for entry in entries))
-    sizes = [(s["height"], s["width"], s["batch"]) for s in recorded["shapes"]]
+    # A video's frames count too: pixels over every frame of every video (a range is images only).
+    sizes = [(s["height"], s["width"], s["batch"], s.get("frames") or 1) for s in recorded["shapes"]]
     if recorded.get("dynamic"):
-        sizes.append(tuple(recorded["dynamic"][axis][1] for axis in ("height", "width", "batch")))
-    largest = max(h * w * b for h, w, b in sizes)
-    if height * width * images > largest:
-        return f"{images} image(s) at {height}x{width} px is more than this server makes at once ({largest} pixels)"
+        sizes.append((*(recorded["dynamic"][axis][1] for axis in ("height", "width", "batch")), 1))
+    largest = max(h * w * b * f for h, w, b, f in sizes)
+    if height * width * images * (frames or 1) > largest:
+        return f"{made} at {height}x{width} px is more than this server makes at once ({largest} pixels)"
     return None
 
 

@@ -74,6 +74,21 @@ def test_bad_requests_are_named(body, status, words):
     assert words in str(info.value)
 
 
+def test_an_eager_video_server_is_held_to_the_largest_video_its_target_makes():
+    """The eager and compile backends have no variants to check a request against: a video's frames
+    count with its pixels, so 10,000 frames are refused before any latents are allocated."""
+    from aotbuild.serve import covered
+
+    from .conftest import eager_pipeline
+
+    target = load_target(TARGETS / "cpu-tiny-wan.toml")  # 9 frames at 32x48 px, 5 at 32x32
+    pipe, recorded = eager_pipeline(target), target.to_dict()
+    call = {"images": 1, "height": 32, "width": 48, "guidance_scale": 5.0, "frames": 9}
+    assert covered(pipe, recorded, call) is None
+    assert covered(pipe, recorded, {**call, "frames": 10_000}) == (
+        "1 video(s) of 10000 frames at 32x48 px is more than this server makes at once (13824 pixels)")
+
+
 def test_build_options_need_ray():
     result = CliRunner().invoke(main, ["build", "--target", "cpu-tiny-sd15", "--address", "127.0.0.1:6379"])
     assert result.exit_code == 1
