@@ -269,7 +269,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: _Stages) -
         source = _source_record(target, folder)  # what was read: the commit a branch resolved to, a fingerprint
         pipe = _load_pipeline(target, spec, torch.device("cpu"), folder)  # _capture_all places the models
     _check_frames(target, pipe)
-    points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None))
+    points, plans = _plan(target, spec, specs, getattr(pipe, "vae", None), frames_step(pipe))
     regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
     instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}
     eager_vae = _eager_vae(pipe, spec, specs)
@@ -473,15 +473,15 @@ def _guidance_modes(target: Target, spec: PipelineSpec) -> tuple[bool, ...]:
     return {"both": (True, False), "guided": (True,), "unguided": (False,)}[target.guidance]
 
 
-def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
-          vae: Any) -> tuple[dict[str, CapturePoint], dict[str, list[VariantPlan]]]:
+def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: Any,
+          frame_stride: int) -> tuple[dict[str, CapturePoint], dict[str, list[VariantPlan]]]:
     """Every capture point by name, and every component's variants.
 
     A bucket serves 1 to its batch of images: its model's batch dim spans the calls captured with
     1 image and with the bucket's batch, and for a denoiser, with and without guidance (the calls
     only differ in batch, so one model serves them all). The dynamic model spans its ranges and,
     for a denoiser, both guidance batches. A tile model spans every tile `vae.enable_tiling()` cuts
-    from images of the target's stride."""
+    from images of the target's stride. A video's frames step by `frame_stride`."""
     modes = _guidance_modes(target, spec)
     text = default_text_length(target.pipeline)  # what each call pads its prompt to, unless a shape says
     points: dict[str, CapturePoint] = {}
@@ -509,16 +509,24 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec],
                 plans[s.name].append(VariantPlan(named, "bucket", tuple(served), bucket=untexted))
     if target.dynamic:
         ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
-        for probe, size in shapes.range_points(ranges, target.stride).items():
-            points[f"dynamic:{probe}"] = CapturePoint(*size[:3], modes[0], text=size[3] if text else None)
-        both = len(modes) > 1 and ranges["batch"][0] < ranges["batch"][1]  # else the batch dim is static
+        axes = shapes.axes_of(ranges)
+        for probe, size in shapes.range_points(ranges, target.stride, frame_stride).items():
+            at = dict(zip(axes, size, strict=True))
+            points[f"dynamic:{probe}"] = CapturePoint(at["batch"], at["height"], at["width"], modes[0],
+                                                      text=at.get(TEXT), frames=at.get(shapes.FRAME_AXIS))
+        both = len(modes) > 1
+        unguided = ("dynamic:min:unguided",)
         if both:
             points["dynamic:min:unguided"] = dataclasses.replace(points["dynamic:min"], guided=False)
+        if both and ranges["batch"][0] == ranges["batch"][1]:  # guidance alone moves the batch: its probe
+            points["dynamic:base:unguided"] = dataclasses.replace(points["dynamic:base"], guided=False)
+            unguided += ("dynamic:base:unguided",)
         for s in specs:
-            served = ("dynamic:base", "dynamic:min", "dynamic:max", *(("dynamic:min:unguided",) if both and s.denoiser
-                                                                        else ()))
+            served = ("dynamic:base", "dynamic:min", "dynamic:max", *(unguided if both and s.denoiser else ()))
             reached = ranges if s.denoiser else {a: r for a, r in ranges.items() if a != TEXT}
-            plans[s.name].append(VariantPlan("dynamic", "dynamic", served, ranges={**reached, "stride": target.stride}))
+            video = {"frame_stride": frame_stride} if shapes.FRAME_AXIS in ranges else {}
+            plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
+                                             ranges={**reached, "stride": target.stride, **video}))
     largest = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
     for s in specs:
         if s.name in target.tiling:
@@ -613,11 +621,13 @@ def _check_frames(target: Target, pipe: Any) -> None:
     """Each bucket's frames against the loaded pipeline's temporal compression (a Hub source's
     configs are first read here): diffusers would round another count and make fewer frames."""
     step = frames_step(pipe)
-    for i, bucket in enumerate(target.shapes):
-        if bucket.frames is not None and (around := frames_around(bucket.frames, step)):
-            raise BuildError(f"target {target.name}: key 'shapes[{i}].frames' = {bucket.frames}: {target.pipeline} "
-                             f"makes 1 + a multiple of {step} frames (its VAE's temporal compression); {around[0]} or "
-                             f"{around[1]} would be built")
+    counts = [(f"shapes[{i}].frames", bucket.frames) for i, bucket in enumerate(target.shapes)]
+    counts += [(f"dynamic.frames bound {bound}", bound) for bound in (target.dynamic or {}).get("frames", ())]
+    for key, frames in counts:
+        if frames is not None and (around := frames_around(frames, step)):
+            raise BuildError(f"target {target.name}: key '{key}' = {frames}: {target.pipeline} makes 1 + a multiple "
+                             f"of {step} frames (its VAE's temporal compression); {around[0]} or {around[1]} would "
+                             f"be built")
 
 
 def _eager_vae(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:
@@ -685,7 +695,11 @@ def _variant_dims(component: str, plan: VariantPlan, reference: dict,
     probes = {probe: at(probe) for probe in ("base", *shapes.axes_of(plan.ranges))}
     corners = {probe: at(probe) for probe in ("min", "max")}
     sizes = {probe: (points[f"{prefix}:{probe}"].batch, points[f"{prefix}:{probe}"].height,
-                     points[f"{prefix}:{probe}"].width) for probe in probes}
+                     points[f"{prefix}:{probe}"].width, points[f"{prefix}:{probe}"].frames) for probe in probes}
+    if f"{prefix}:base:unguided" in plan.points:  # a fixed batch of images, moved by guidance: in call batches
+        probes["batch"] = at("base:unguided")
+        sizes = {probe: (batches[0], *size[1:]) for probe, size in sizes.items()}
+        sizes["batch"] = (batches[plan.points.index(f"{prefix}:base:unguided")], *sizes["base"][1:])
     dims = shapes.classify(probes, corners, sizes, plan.ranges["stride"])
     return shapes.in_call_batches(dims), call_batch
 

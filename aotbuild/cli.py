@@ -59,6 +59,7 @@ def targets(targets_dir: Path | None) -> None:
         shapes = ",".join(str(s) for s in t.shapes)
         if t.dynamic:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
+            shapes += "/{}-{}frames".format(*t.dynamic["frames"]) if "frames" in t.dynamic else ""
             shapes += "/text{}-{}".format(*t.dynamic[TEXT]) if TEXT in t.dynamic else ""
         runtime = (["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
                    + ["regional"] * (t.compile_mode == "regional"))
@@ -434,7 +435,8 @@ def cache(clear: bool) -> None:
 
 
 def _dim_text(dim: Any) -> str:
-    """A dim of a variant's signature: 4, 2*B, H/8, T[16..256] (image tokens), L[128..512] (text)."""
+    """A dim of a variant's signature: 4, 2*B, H/8, (F-1)/4+1 (a video's latent frames),
+    T[16..256] (image tokens), L[128..512] (text)."""
     from .pipelines import TEXT
 
     if isinstance(dim, int):
@@ -443,6 +445,8 @@ def _dim_text(dim: Any) -> str:
         return "B" if dim["factor"] == 1 else f"{dim['factor']}*B"
     if dim["axis"] in ("tokens", TEXT):
         return f"{'T' if dim['axis'] == 'tokens' else 'L'}[{dim['min']}..{dim['max']}]"
+    if dim["axis"] == "frames":
+        return f"(F-1)/{dim['per']}+1"
     return f"{dim['axis'][0].upper()}/{dim['pixels']}"
 
 

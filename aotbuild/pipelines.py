@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import re
 import sys
 import typing
@@ -364,11 +365,29 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     if issubclass(types.get("vae", type(None)), diffusers.AutoencoderKL):
         components |= {"vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER}
     packed = hasattr(cls, "_pack_latents")  # 2x2 latent patches per token, packed by the pipeline
+    stride = _unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed)
+    multiple = call_multiple(cls)
     return PipelineSpec(
         class_name=class_name, components=components,
-        pixel_stride=_unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed),
-        default_stride=64 if attribute == "unet" else 16, default_pixels=None, prompt_embeds=None, curated=False,
-        capture_extras=_image_extras if requires_image(cls) else None)
+        pixel_stride=functools.partial(_lcm_stride, stride, multiple),
+        default_stride=math.lcm(64 if attribute == "unet" else 16, multiple), default_pixels=None,
+        prompt_embeds=None, curated=False, capture_extras=_image_extras if requires_image(cls) else None)
+
+
+def call_multiple(cls: type) -> int:
+    """The multiple a pipeline's own input check holds height and width to, where it writes one
+    (`height % 16 != 0` in Wan's, 32 in LTX-Video's): a stricter stride than the model's, for a
+    tiny VAE; 1 where it writes none."""
+    check = getattr(cls, "check_inputs", None)
+    try:
+        found = re.search(r"height\s*%\s*(\d+)\s*!=\s*0", inspect.getsource(check)) if check else None
+    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
+        found = None
+    return int(found.group(1)) if found else 1
+
+
+def _lcm_stride(stride: Callable[[dict[str, dict]], int], multiple: int, configs: dict[str, dict]) -> int:
+    return math.lcm(stride(configs), multiple)
 
 
 def requires_image(cls: type) -> bool:

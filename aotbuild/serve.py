@@ -156,10 +156,10 @@ def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | 
         return (f"no compiled variant makes {made} at {height}x{width} px "
                 f"{'with' if guided else 'without'} guidance; this artifact covers: "
                 + "; ".join(variant_coverage(entry) for entry in entries))
-    # A video's frames count too: pixels over every frame of every video (a range is images only).
+    # A video's frames count too: pixels over every frame of every video.
     sizes = [(s["height"], s["width"], s["batch"], s.get("frames") or 1) for s in recorded["shapes"]]
-    if recorded.get("dynamic"):
-        sizes.append((*(recorded["dynamic"][axis][1] for axis in ("height", "width", "batch")), 1))
+    if dynamic := recorded.get("dynamic"):
+        sizes.append((*(dynamic[axis][1] for axis in ("height", "width", "batch")), dynamic.get("frames", [1, 1])[1]))
     largest = max(h * w * b * f for h, w, b, f in sizes)
     if height * width * images * (frames or 1) > largest:
         return f"{made} at {height}x{width} px is more than this server makes at once ({largest} pixels)"

@@ -1,5 +1,5 @@
-"""Dynamic shapes: how each input dim of a component follows the pipeline's (batch, height, width),
-inferred from real captures rather than written per model, turned into torch.export Dims, and
+"""Dynamic shapes: how each input dim of a component follows the pipeline's (batch, height, width,
+and a video's frames), inferred from real captures rather than written per model, turned into torch.export Dims, and
 checked again by the runtime (AOTInductor checks no input shape itself).
 
 A dim is one of:
@@ -8,8 +8,10 @@ A dim is one of:
                                         free guidance; compiled in the call's own batch, k = 1)
   {"axis": "height"|"width", "pixels": f, "multiple": m}
                                         pixels / f, a multiple of m (m = stride / f)
+  {"axis": "frames", "per": s}          a video's latent frames: (frames - 1) / s + 1 (s: the VAE's
+                                        temporal compression)
   {"axis": "tokens", "min": a, "max": b}
-                                        a sequence over height x width (Flux's packed latents), or
+                                        a sequence over height x width (x frames) (Flux's packed latents), or
                                         over the text and the image (Chroma's attention mask)
   {"axis": "max_sequence_length", "min": a, "max": b}
                                         a sequence over the text length (the prompt's tokens)
@@ -34,42 +36,46 @@ from .errors import BuildError
 from .pipelines import TEXT
 
 AXES = ("batch", "height", "width")
+FRAME_AXIS = "frames"  # a video's frame count: an axis where a range gives one, after width
 SEQUENCES = ("tokens", TEXT)  # dims that are a sequence's length, not a multiple of an axis
 
 
 def axes_of(ranges: dict[str, Any]) -> tuple[str, ...]:
-    """The axes a range spans: batch, height, width and, where it has one, the text length."""
-    return AXES + ((TEXT,) if TEXT in ranges else ())
+    """The axes a range spans: batch, height, width and, where it has them, a video's frames and
+    the text length."""
+    return AXES + tuple(axis for axis in (FRAME_AXIS, TEXT) if axis in ranges)
 
 
-def probe_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, ...]]:
-    """Points to capture, as sizes along `axes_of(ranges)`: a base point away from 1 and from the
-    range edges where possible (export specializes a dim of size 1), and one point per axis
-    moving that axis."""
+def probe_points(ranges: dict[str, list[int]], stride: int, frame_stride: int = 1) -> dict[str, tuple[int, ...]]:
+    """Points to capture, as sizes along `axes_of(ranges)`: a base point away from the size that
+    makes an export dim of 1 and from the range edges where possible (export specializes a dim of
+    size 1), and one point per axis moving that axis. Frames step by `frame_stride` (a video
+    makes 1 + a multiple of it); 1 frame is one latent frame."""
 
-    def two_values(low: int, high: int, step: int) -> tuple[int, int]:
+    def two_values(low: int, high: int, step: int, one: int) -> tuple[int, int]:
         values = list(range(low, high + 1, step))
-        inner = [v for v in values if v != step] or values  # v == step is an export Dim of 1
+        inner = [v for v in values if v != one] or values  # `one` is an export Dim of 1
         base = inner[(len(inner) - 1) // 2]
         others = [v for v in values if v != base]
         other = next((v for v in others if v != 1), others[0] if others else base)
         return base, other
 
+    steps = {"height": (stride, stride), "width": (stride, stride), FRAME_AXIS: (frame_stride, 1)}
     axes = axes_of(ranges)
-    pairs = [two_values(*ranges[a], stride if a in ("height", "width") else 1) for a in axes]
+    pairs = [two_values(*ranges[a], *steps.get(a, (1, 1))) for a in axes]
     base = tuple(pair[0] for pair in pairs)
     return {"base": base, **{a: base[:i] + (pairs[i][1],) + base[i + 1:] for i, a in enumerate(axes)}}
 
 
-def range_points(ranges: dict[str, list[int]], stride: int) -> dict[str, tuple[int, ...]]:
+def range_points(ranges: dict[str, list[int]], stride: int, frame_stride: int = 1) -> dict[str, tuple[int, ...]]:
     """The range's "min" and "max" corners and its `probe_points`, as sizes along `axes_of(ranges)`."""
     corners = {corner: tuple(ranges[a][i] for a in axes_of(ranges)) for i, corner in enumerate(("min", "max"))}
-    return {**corners, **probe_points(ranges, stride)}
+    return {**corners, **probe_points(ranges, stride, frame_stride)}
 
 
 def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[int]]],
              points: dict[str, tuple[int, ...]], stride: int) -> list[list[Any]]:
-    """Per tensor leaf, per dim: how it follows the batch, height, width (and text length).
+    """Per tensor leaf, per dim: how it follows the batch, height, width (and frames, text length).
 
     Args:
         probes: leaf shapes captured at each of `points` ("base" and one per axis).
@@ -77,7 +83,7 @@ def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[in
         points: the sizes of each probe along the axes (`axes_of`).
         stride: the pipeline's pixel stride.
     """
-    axes = [axis for axis in (*AXES, TEXT) if axis in probes]
+    axes = [axis for axis in (*AXES, FRAME_AXIS, TEXT) if axis in probes]
     result = []
     for leaf, base_shape in enumerate(probes["base"]):
         dims: list[Any] = []
@@ -94,6 +100,8 @@ def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[in
                     dims.append(_proportional(value, probes[moved[0]][leaf][d], points, index, moved[0], stride))
                 except BuildError:  # e.g. Flux tokens when the other axis is fixed: a sequence, not a size
                     dims.append({"axis": "tokens", **sequence})
+            elif moved == [FRAME_AXIS]:
+                dims.append(_latent_frames(value, probes[FRAME_AXIS][leaf][d], points, axes.index(FRAME_AXIS)))
             elif moved == [TEXT]:
                 dims.append({"axis": TEXT, **sequence})
             elif "batch" not in moved:  # image tokens, or text and image tokens in one sequence
@@ -115,6 +123,16 @@ def _proportional(value: int, moved_value: int, points: dict, index: int, axis: 
     if remainder or moved // pixels != moved_value or stride % pixels:
         raise BuildError(f"a dim following {axis} is {value} at {base} px and {moved_value} at {moved} px")
     return {"axis": axis, "pixels": pixels, "multiple": stride // pixels}
+
+
+def _latent_frames(value: int, moved_value: int, points: dict, index: int) -> dict:
+    """A dim following a video's frames: its latent frames, (frames - 1) / per + 1."""
+    base, moved = points["base"][index], points[FRAME_AXIS][index]
+    per, remainder = divmod(base - moved, value - moved_value) if value != moved_value else (0, 1)
+    if remainder or per <= 0 or (base - 1) % per or (base - 1) // per + 1 != value:
+        raise BuildError(f"a dim following frames is {value} at {base} frames and {moved_value} at {moved} frames: "
+                         f"not the latent frames")
+    return {"axis": FRAME_AXIS, "per": per}
 
 
 def in_call_batches(dims: list[list[Any]]) -> list[list[Any]]:
@@ -149,10 +167,14 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, di
     roots: dict[str, Any] = {}  # made when a dim uses them: a bucket's model has a batch dim only
     sequences: dict[tuple[int, int], Any] = {}  # token dims over the same range are one sequence (Flux ids)
 
-    def root(axis: str) -> Any:
+    def root(axis: str, per: int = 1) -> Any:
         if axis not in roots:
-            unit = 1 if axis == "batch" else stride
-            roots[axis] = Dim(axis, min=ranges[axis][0] // unit, max=ranges[axis][1] // unit)
+            low, high = ranges[axis]
+            if axis == FRAME_AXIS:  # in latent frames
+                roots[axis] = Dim(axis, min=(low - 1) // per + 1, max=(high - 1) // per + 1)
+            else:
+                unit = 1 if axis == "batch" else stride
+                roots[axis] = Dim(axis, min=low // unit, max=high // unit)
         return roots[axis]
 
     def dim_expr(dim: Any) -> Any:
@@ -163,6 +185,8 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, di
                 return tokens
             key = (dim["min"], dim["max"])
             return sequences.setdefault(key, Dim(f"tokens{len(sequences)}", min=dim["min"], max=dim["max"]))
+        if dim["axis"] == FRAME_AXIS:
+            return root(FRAME_AXIS, dim["per"])
         return root(dim["axis"]) * dim["multiple"] if dim["multiple"] != 1 else root(dim["axis"])
 
     leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
@@ -181,8 +205,8 @@ def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, di
 
 def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str, list[int]],
                stride: int) -> dict[str, int] | None:
-    """The (batch, height, width) these tensor shapes stand for, or None when they are not a
-    consistent point inside the ranges (the runtime's check before calling a dynamic model)."""
+    """The (batch, height, width[, frames]) these tensor shapes stand for, or None when they are not
+    a consistent point inside the ranges (the runtime's check before calling a dynamic model)."""
     found: dict[Any, int] = {}
     for leaf_dims, shape in zip(dims, shapes, strict=True):
         if len(leaf_dims) != len(shape):
@@ -195,6 +219,9 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
                 key = (dim["axis"], dim["min"], dim["max"])
                 if not dim["min"] <= value <= dim["max"] or found.setdefault(key, value) != value:
                     return None
+            elif dim["axis"] == FRAME_AXIS:
+                if found.setdefault(FRAME_AXIS, (value - 1) * dim["per"] + 1) != (value - 1) * dim["per"] + 1:
+                    return None
             else:
                 unit = dim["factor"] if dim["axis"] == "batch" else dim["multiple"]
                 if value % unit:
@@ -202,10 +229,10 @@ def infer_size(dims: list[list[Any]], shapes: list[list[int]], ranges: dict[str,
                 size = value // dim["factor"] if dim["axis"] == "batch" else value * dim["pixels"]
                 if found.setdefault(dim["axis"], size) != size:
                     return None
-    sizes = {axis: found[axis] for axis in AXES if axis in found}
+    sizes = {axis: found[axis] for axis in (*AXES, FRAME_AXIS) if axis in found}
     for axis, size in sizes.items():
         low, high = ranges[axis]
-        if not low <= size <= high or (axis != "batch" and size % stride):
+        if not low <= size <= high or (axis in ("height", "width") and size % stride):
             return None
     return sizes
 

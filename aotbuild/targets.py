@@ -84,7 +84,7 @@ class Target:
     guidance_scale: float = 5.0  # the guidance of the guided captures
     guidance: str = "both"  # GUIDANCE_MODES
     tiling: tuple[str, ...] = ()  # VAE parts that get a tile variant (vae.enable_tiling())
-    dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width"[|TEXT]: [min, max]}
+    dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width"[|"frames"][|TEXT]: [min, max]}
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
@@ -297,7 +297,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             if table[dim] % stride:
                 raise TargetError(
                     f"{origin}: key '{where}.{dim}' = {table[dim]} is not a multiple of {stride}, "
-                    f"the pixel stride of this model (VAE factor x UNet downsampling)"
+                    f"the pixel stride of this model (VAE factor x UNet downsampling or patch, and the multiple "
+                    f"{spec.class_name} checks)"
                 )
             _check_largest(origin, f"{where}.{dim}", table[dim], largest, spec)
         for side, dim in zip(table.get("image", ()), ("height", "width"), strict=False):
@@ -307,11 +308,9 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
-    if video and "dynamic" in raw:
-        raise TargetError(f"{origin}: key 'dynamic': a range of frames and sizes is not built yet for video "
-                          f"pipelines ({spec.class_name})", hint="list each frame count and size the deployment "
-                                                                 "serves as a [[shapes]] bucket")
-    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode) if "dynamic" in raw else None
+    frame_step = _frame_stride(spec, source, base_dir, origin) if video else None
+    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode, frame_step) \
+        if "dynamic" in raw else None
     for axis in ("height", "width"):
         if dynamic:
             _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
@@ -409,16 +408,25 @@ def _check_takes_text(origin: str, key: str, spec: Any) -> None:
                           f"is not a shape to choose")
 
 
-def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str) -> dict[str, list[int]]:
-    """[dynamic] batch/height/width[/max_sequence_length] = [min, max], in images, pixels, tokens."""
-    _expect(origin, "dynamic", table, dict, "a table {batch, height, width[, max_sequence_length]}")
-    if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", TEXT}:
-        raise TargetError(f"{origin}: key 'dynamic' needs batch, height, width (and optionally {TEXT}); "
-                          f"got {sorted(table)}")
+def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str,
+                   frame_step: int | None) -> dict[str, list[int]]:
+    """[dynamic] batch/height/width[/frames][/max_sequence_length] = [min, max], in images (videos),
+    pixels, frames, tokens. A video pipeline's range gives its frames (`frame_step`: 1 + a multiple
+    of it), an image pipeline's none."""
+    video = frame_step is not None
+    _expect(origin, "dynamic", table, dict, "a table {batch, height, width[, frames][, max_sequence_length]}")
+    required = ("batch", "height", "width", *(("frames",) if video else ()))
+    if "frames" in table and not video:
+        raise TargetError(f"{origin}: key 'dynamic.frames': {spec.class_name} makes images, so frames is not a "
+                          f"shape to choose")
+    if not set(required) <= set(table) <= {*required, TEXT}:
+        raise TargetError(f"{origin}: key 'dynamic' needs {', '.join(required)} (and optionally {TEXT}); "
+                          f"got {sorted(table)}", hint=f"{spec.class_name} makes videos: give the range of its "
+                                                        f"frames (the call's num_frames)" if video else None)
     if TEXT in table:
         _check_takes_text(origin, f"dynamic.{TEXT}", spec)
     ranges = {}
-    for axis in [a for a in ("batch", "height", "width", TEXT) if a in table]:
+    for axis in [a for a in ("batch", "height", "width", "frames", TEXT) if a in table]:
         value = table[axis]
         if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
                                                                     for v in value)):
@@ -431,6 +439,9 @@ def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: st
                 if bound % stride:
                     raise TargetError(f"{origin}: key 'dynamic.{axis}' bound {bound} is not a multiple of {stride}, "
                                       f"the pixel stride of this model")
+        if axis == "frames":
+            for bound in value:
+                _check_frames(origin, f"dynamic.frames bound {bound}", bound, frame_step, spec)
         ranges[axis] = [low, high]
     factor = 2 if guidance != "unguided" and spec.cfg_batch else 1
     if spec.max_denoiser_batch and factor * ranges["batch"][1] > spec.max_denoiser_batch:

@@ -177,7 +177,7 @@ def test_ltx_video_and_cogvideox_match_eager(tmp_path_factory, name, size, calls
     transformer returns (a tuple without return_dict: the pipelines index it; LTX-Video's and Wan's
     forwards are annotated as returning a tensor)."""
     _, built, compiled, eager = _built(tmp_path_factory, name)
-    (variant,) = [v["name"] for v in built.manifest["components"]["transformer"]["variants"]]
+    variant = built.manifest["components"]["transformer"]["variants"][0]["name"]  # the bucket
     for call in calls:
         frames = both(compiled, eager, **size, max_sequence_length=16, **call)
         assert frames.shape == (1, size["num_frames"], size["height"], size["width"], 3)
@@ -192,6 +192,30 @@ def test_ltx_video_and_cogvideox_match_eager(tmp_path_factory, name, size, calls
         want = eager.transformer(**inputs, return_dict=return_dict)
         assert type(got) is type(want)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+
+
+def test_a_range_of_frames_and_sizes_matches_eager_and_says_what_it_covers(tmp_path_factory):
+    """cpu-tiny-cogvideox's [dynamic] model: the latent frames, height, width and the rotary
+    tables' length follow the call. Compiled == eager at the range's corners and inside it, with
+    guidance (2 x 1 video) and without (1): guidance alone moves its batch. Outside the range, the
+    refusal names frames; `inspect` shows the latent frames' dim."""
+    target, built, compiled, eager = _built(tmp_path_factory, "cpu-tiny-cogvideox")
+    entry = built.manifest["components"]["transformer"]["variants"][1]
+    assert aotbuild.runtime.variant_coverage(entry) == (
+        "5-13 frames (1 + multiples of 4) at 32-64x32-64 px (multiples of 16), 1 video, text length 16, "
+        "with and without guidance")
+    batch, frames = ({k: v for k, v in dim.items() if k != "expr"} for dim in entry["inputs"][0]["dims"][:2])
+    assert (batch, frames) == ({"axis": "batch", "factor": 1}, {"axis": "frames", "per": 4})  # hidden_states
+    for height, width, frames in [(32, 32, 5), (64, 64, 13), (48, 32, 9), (32, 64, 13)]:
+        for guidance_scale in (target.guidance_scale, 1.0):
+            both(compiled, eager, height=height, width=width, num_frames=frames, guidance_scale=guidance_scale,
+                 max_sequence_length=16)
+            assert compiled.transformer.last_variant == "dynamic"
+    with pytest.raises(ShapeNotSupportedError, match=r"num_frames=17, .*this artifact covers: 9 frames at 32x32 px, "
+                                                     r".*; 5-13 frames \(1 \+ multiples of 4\) at 32-64x32-64 px"):
+        run(compiled, height=32, width=32, num_frames=17, max_sequence_length=16)
+    result = CliRunner().invoke(main, ["inspect", str(built.folder)])
+    assert "hidden_states=[B, (F-1)/4+1, 4, H/8, W/8]" in result.output
 
 
 def test_ltx_video_runs_at_its_buckets_text_length_and_refuses_another_frame_rate(tmp_path_factory, tmp_path):
@@ -282,11 +306,23 @@ def test_frames_in_targets_are_checked(tmp_path):
     with pytest.raises(TargetError, match=r"'compile.mode' = \"regional\" compiles the blocks of one denoiser, and "
                                           r"\[components\] has 2 \(transformer, transformer_2: Wan 2.2's experts\)"):
         load_target(write_target(tmp_path, wan22 + '\n[compile]\nmode = "regional"\n'))
-    with pytest.raises(TargetError, match=r"'dynamic': a range of frames and sizes is not built yet for video"):
-        load_target(write_target(tmp_path, text + "\n[dynamic]\nbatch = [1, 1]\nheight = [32, 64]\nwidth = [32, 64]\n"))
+    ranged = text + "\n[dynamic]\nbatch = [1, 1]\nheight = [32, 64]\nwidth = [32, 64]\n"
+    with pytest.raises(TargetError, match=r"'dynamic' needs batch, height, width, frames \(and optionally") as raised:
+        load_target(write_target(tmp_path, ranged))
+    assert raised.value.hint == "WanPipeline makes videos: give the range of its frames (the call's num_frames)"
+    with pytest.raises(TargetError, match=r"'dynamic.frames bound 8' = 8: WanPipeline makes 1 \+ a multiple of 2"):
+        load_target(write_target(tmp_path, ranged + "frames = [5, 8]\n"))
+    assert load_target(write_target(tmp_path, ranged + "frames = [5, 9]\n")).dynamic["frames"] == [5, 9]
+    with pytest.raises(TargetError, match=r"height' = 40 is not a multiple of 16, .*and the multiple "
+                                          r"WanPipeline checks"):  # its own check: 16, above the tiny model's 8
+        load_target(write_target(tmp_path, text.replace("height = 32\nwidth = 48", "height = 40\nwidth = 48")))
     sdxl = (TARGETS / "cpu-tiny-sdxl.toml").read_text().replace('name = "cpu-tiny-sdxl"', 'name = "t"')
     sdxl = sdxl.replace("width = 64\n", "width = 64\nframes = 9\n", 1)
     with pytest.raises(TargetError, match=r"'shapes\[0\].frames': StableDiffusionXLPipeline makes images"):
+        load_target(write_target(tmp_path, sdxl))
+    sdxl = sdxl.replace("width = 64\nframes = 9\n", "width = 64\n", 1)
+    sdxl = sdxl.replace("batch = [1, 3]", "batch = [1, 3]\nframes = [5, 9]")
+    with pytest.raises(TargetError, match=r"'dynamic.frames': StableDiffusionXLPipeline makes images"):
         load_target(write_target(tmp_path, sdxl))
     bucket = load_target(write_target(tmp_path, text)).shapes[0]
     assert (bucket.frames, str(bucket)) == (9, "1x32x48/9frames")

@@ -400,7 +400,11 @@ def variant_coverage(entry: dict[str, Any]) -> str:
         d = entry["dynamic"]
         fixed = d["height"][0] == d["height"][1] and d["width"][0] == d["width"][1]
         multiples = "" if fixed else f" (multiples of {d['stride']})"
-        return f"{_span(d['height'])}x{_span(d['width'])} px{multiples}, {_images(*d['batch'])}{text}{suffix}"
+        size = f"{_span(d['height'])}x{_span(d['width'])} px{multiples}"
+        if "frames" in d:  # "5-13 frames (1 + multiples of 4) at 32-64x32-64 px (multiples of 16), 1 video"
+            step = f" (1 + multiples of {d['frame_stride']})" if d["frames"][0] != d["frames"][1] else ""
+            return f"{_span(d['frames'])} frames{step} at {size}, {_images(*d['batch'], 'video')}{text}{suffix}"
+        return f"{size}, {_images(*d['batch'])}{text}{suffix}"
     b = entry["bucket"]
     edit = f" editing a {b['image'][0]}x{b['image'][1]} px image" if "image" in b else ""
     if "frames" in b:  # a video: "81 frames at 480x832 px, 1 video"
@@ -439,7 +443,9 @@ def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, 
         return False
     if "dynamic" in entry:
         d = entry["dynamic"]
-        return d["batch"][0] <= images <= d["batch"][1] and all(
+        in_frames = "frames" not in d or (frames is not None and d["frames"][0] <= frames <= d["frames"][1]
+                                          and (frames - 1) % d["frame_stride"] == 0)
+        return in_frames and d["batch"][0] <= images <= d["batch"][1] and all(
             d[axis][0] <= size <= d[axis][1] and size % d["stride"] == 0
             for axis, size in (("height", height), ("width", width)))
     b = entry["bucket"]
