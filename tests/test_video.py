@@ -267,10 +267,13 @@ def test_run_writes_an_mp4_of_the_buckets_frames(wan, tmp_path):
 
 def test_image_to_video_matches_eager_from_any_image_size(tmp_path_factory, tmp_path):
     """WanImageToVideoPipeline by capture (captured with a seeded image): the image is resized to
-    the call's size and its latents join the transformer's input on the channels, so one bucket
-    serves images of every size; compiled == eager, guided and not. `aotbuild run --image` makes
-    an MP4 from it, and without an image says it needs one."""
+    the call's size and its latents join the transformer's input on the channels, its CLIP
+    embeddings (cropped to the encoder's size) are attended to, so one bucket serves images of
+    every size; compiled == eager, guided and not. `aotbuild run --image` makes an MP4 from it,
+    and without an image says it needs one."""
     target, built, compiled, eager = _built(tmp_path_factory, "cpu-tiny-wan-i2v")
+    inputs = [leaf["path"] for leaf in built.manifest["components"]["transformer"]["variants"][0]["inputs"]]
+    assert "encoder_hidden_states_image" in inputs  # Wan 2.1's form: the CLIP image embeddings
     for image, extra in ((seeded_image(32, 48), {}), (seeded_image(40, 24), {}), (seeded_image(32, 48),
                                                                                    {"guidance_scale": 1.0})):
         both(compiled, eager, image=image, **extra)
