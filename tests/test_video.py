@@ -194,11 +194,12 @@ def test_ltx_video_and_cogvideox_match_eager(tmp_path_factory, name, size, calls
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
 
 
-def test_a_range_of_frames_and_sizes_matches_eager_and_says_what_it_covers(tmp_path_factory):
+def test_a_range_of_frames_and_sizes_matches_eager_and_says_what_it_covers(tmp_path_factory, tmp_path):
     """cpu-tiny-cogvideox's [dynamic] model: the latent frames, height, width and the rotary
     tables' length follow the call. Compiled == eager at the range's corners and inside it, with
     guidance (2 x 1 video) and without (1): guidance alone moves its batch. Outside the range, the
-    refusal names frames; `inspect` shows the latent frames' dim."""
+    refusal names frames; `inspect` shows the latent frames' dim. A LoRA through diffusers' API
+    reaches the bucket and the range alike."""
     target, built, compiled, eager = _built(tmp_path_factory, "cpu-tiny-cogvideox")
     entry = built.manifest["components"]["transformer"]["variants"][1]
     assert aotbuild.runtime.variant_coverage(entry) == (
@@ -216,6 +217,14 @@ def test_a_range_of_frames_and_sizes_matches_eager_and_says_what_it_covers(tmp_p
         run(compiled, height=32, width=32, num_frames=17, max_sequence_length=16)
     result = CliRunner().invoke(main, ["inspect", str(built.folder)])
     assert "hidden_states=[B, (F-1)/4+1, 4, H/8, W/8]" in result.output
+    plain = run(eager, height=48, width=64, num_frames=13, max_sequence_length=16)
+    lora = make_lora(eager, tmp_path, seed=3, targets=("to_q", "to_k", "to_v", "to_out.0"))
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora)
+    for height, width, frames, variant in [(48, 64, 13, "dynamic"), (32, 32, 9, "b1_32x32_9f_text16")]:
+        both(compiled, eager, height=height, width=width, num_frames=frames, max_sequence_length=16)
+        assert compiled.transformer.last_variant == variant
+    assert np.abs(run(compiled, height=48, width=64, num_frames=13, max_sequence_length=16) - plain).max() > 1e-2
 
 
 def test_ltx_video_runs_at_its_buckets_text_length_and_refuses_another_frame_rate(tmp_path_factory, tmp_path):
