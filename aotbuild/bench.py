@@ -119,16 +119,19 @@ REGIONAL_RATIOS = ("build_s", "package_mib", "artifact_mib", "first_image_s", "s
 
 
 def format_table(document: dict[str, Any], ratios: tuple[str, ...] = DEFAULT_RATIOS) -> str:
-    """A fixed-width table: median [min-max] per case and figure, then the `ratios` figures' ratios to aot."""
+    """A fixed-width table: median [min, max] per case and figure (the median alone where they are
+    one value), then the `ratios` figures' ratios to aot. Cells are apart by a space at least,
+    however wide a figure."""
     cases = list(document["summary"])
     width = 26
-    lines = [f"{'figure':<26}" + "".join(f"{c:>{width}}" for c in cases)]
+    lines = [f"{'figure':<26}" + "".join(f" {c:>{width - 1}}" for c in cases)]
     for figure in document["figures"]:
         row = f"{figure:<26}"
         for case in cases:
             s = document["summary"][case][figure]
-            cell = "-" if s["median"] is None else f"{s['median']:.3g} [{s['min']:.3g}-{s['max']:.3g}]"
-            row += f"{cell:>{width}}"
+            cell = "-" if s["median"] is None else f"{s['median']:.3g}" + (
+                "" if s["min"] == s["max"] else f" [{s['min']:.3g}, {s['max']:.3g}]")
+            row += f" {cell:>{width - 1}}"
         lines.append(row)
     if "ratio_to_aot" in document:
         lines.append("ratio to aot (median of per-repetition ratios)")
@@ -136,7 +139,7 @@ def format_table(document: dict[str, Any], ratios: tuple[str, ...] = DEFAULT_RAT
             row = f"  {figure:<24}"
             for case in cases:
                 r = document["ratio_to_aot"][case][figure]
-                row += f"{'-' if r is None else f'{r:.2f}x':>{width}}"
+                row += f" {'-' if r is None else f'{r:.2f}x':>{width - 1}}"
             lines.append(row)
     return "\n".join(lines)
 

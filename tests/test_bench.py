@@ -43,7 +43,13 @@ def test_report_and_table_format():
     assert lines[0].split() == ["figure", "eager", "aot"]
     assert lines[1].split()[:2] == ["ready_s", "-"]
     row = next(line for line in lines if line.startswith("first_step_s"))
-    assert row.split() == ["first_step_s", "4.2", "[4-4.4]", "3.2", "[2-4.4]"]
+    assert row.split() == ["first_step_s", "4.2", "[4,", "4.4]", "3.2", "[2,", "4.4]"]
+    wide = report({"aot": [{"first_step_s": -4.06e-05}, {"first_step_s": -5.1e-05}, {"first_step_s": -3e-05}]},
+                  {}, {}, {"first_step_s": "x"})  # a cell wider than its column stays apart from the next
+    assert format_table(wide, ("first_step_s",)).splitlines()[1].split() == ["first_step_s", "-4.06e-05",
+                                                                             "[-5.1e-05,", "-3e-05]"]
+    one = report({"aot": [{"first_step_s": 2.0}]}, {}, {}, {"first_step_s": "x"})  # one run: the figure alone
+    assert format_table(one, ("first_step_s",)).splitlines()[1].split() == ["first_step_s", "2"]
     assert any(line.split()[:3] == ["first_step_s", "1.50x", "1.00x"] for line in lines)
 
 
