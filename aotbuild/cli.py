@@ -187,6 +187,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     if artifact is not None:
         pipe, recorded = prepare_artifact(artifact, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,
                                           trust_remote_code=trust_remote_code, variant=variant)
+        _check_made(recorded, frames, output)  # its manifest says what it makes
     else:
         from .targets import load_target
 
@@ -195,15 +196,11 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
             if value is not None and value % target.stride:
                 raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
         recorded = target.to_dict()
+        _check_made(recorded, frames, output)  # before the load: the target says what it makes
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
     load_s = time.perf_counter() - start
     defaults = call_defaults(recorded)
     video = defaults["frames"] is not None
-    if frames is not None and not video:
-        raise AotbuildError(f"--frames: {recorded['pipeline']} makes images, not videos")
-    if output is not None and video != (output.suffix.lower() == VIDEO_SUFFIX):
-        wanted = "videos: use a .mp4 file name" if video else "images: use a .png, .jpg or .webp file name"
-        raise AotbuildError(f"--output {output}: {recorded['pipeline']} makes {wanted}")
     if guidance_scale is None:
         guidance_scale = defaults["guidance_scale"]
     gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or defaults["height"],
@@ -432,6 +429,18 @@ def cache(clear: bool) -> None:
     click.echo(f"{root}: {count} extracted package(s), {_mib(size)}")
     if clear and count:
         click.echo(f"cleared {_mib(clear_package_cache())}")
+
+
+def _check_made(recorded: dict[str, Any], frames: int | None, output: Path | None) -> None:
+    """`--frames` and `--output`'s suffix against what the target or artifact makes: images or videos."""
+    from .backends import call_defaults
+
+    video = call_defaults(recorded)["frames"] is not None
+    if frames is not None and not video:
+        raise AotbuildError(f"--frames: {recorded['pipeline']} makes images, not videos")
+    if output is not None and video != (output.suffix.lower() == VIDEO_SUFFIX):
+        wanted = "videos: use a .mp4 file name" if video else "images: use a .png, .jpg or .webp file name"
+        raise AotbuildError(f"--output {output}: {recorded['pipeline']} makes {wanted}")
 
 
 def _dim_text(dim: Any) -> str:

@@ -269,7 +269,8 @@ def test_run_writes_an_mp4_of_the_buckets_frames(wan, tmp_path):
     assert result.exit_code == 1 and "WanPipeline makes 1 + a multiple of 2 frames (its VAE's temporal " \
         "compression), not 8" in result.output and "ask for 7 or 9 frames" in result.output
     result = CliRunner().invoke(main, ["run", "--target", str(TARGETS / "cpu-tiny-wan.toml"), "--artifacts",
-                                       str(artifacts), "--prompt", PROMPT, "--output", str(tmp_path / "fox.png")])
+                                       str(tmp_path / "no-artifacts"), "--prompt", PROMPT, "--output",
+                                       str(tmp_path / "fox.png")])  # refused before anything loads
     assert result.exit_code == 1 and "WanPipeline makes videos: use a .mp4 file name" in result.output
     assert not (tmp_path / "fox.png").exists()
 
