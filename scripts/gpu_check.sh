@@ -5,7 +5,8 @@
 # / aot without graphs and copy the manifest and bench JSON to $OUT.
 # CHECK=regional instead: h200-flux-random (full-size Flux, random weights, CUDA graphs) built whole and
 # with [compile] mode = "regional", both timed afresh, then bench aot vs aot-regional: the regional table
-# (build time, package bytes, first image, steady step) and both manifests.
+# (build time, package bytes, first image, steady step) and both manifests. TARGET=h200-wan-random
+# makes either check a video one: a Wan 2.1 14B-shaped transformer (40 blocks), 17 frames at 480x832.
 # Where the device lacks diffusers/transformers/..., carry wheels in .whl/: `make device-wheels`
 # writes them, and the device tool's run takes carry=[".whl"].
 set -euo pipefail

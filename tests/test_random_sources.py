@@ -1,4 +1,4 @@
-"""Full-size random sources (random:sdxl, random:flux-dev, random:sd3-medium) and the GPU device
+"""Full-size random sources (random:sdxl, random:flux-dev, random:sd3-medium, random:wan-14b) and the GPU device
 check: what can be checked without a GPU is checked here (architectures and sizes on the meta
 device, targets, the script's refusal without CUDA)."""
 
@@ -17,6 +17,7 @@ from .conftest import ROOT, TARGETS
 
 @pytest.mark.parametrize(("config_set", "component", "params"), [
     ("sdxl", "unet", 2.567e9), ("flux-dev", "transformer", 11.90e9), ("sd3-medium", "transformer", 2.028e9),
+    ("wan-14b", "transformer", 14.29e9),
 ])
 def test_full_size_architectures(config_set, component, params):
     import diffusers
@@ -29,7 +30,7 @@ def test_full_size_architectures(config_set, component, params):
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["h200-sdxl-random", "h200-flux-random"])
+@pytest.mark.parametrize("name", ["h200-sdxl-random", "h200-flux-random", "h200-wan-random"])
 def test_gpu_random_targets_validate(name):
     target = load_target(TARGETS / f"{name}.toml")
     assert target.device == "cuda" and target.gpu.capability == "9.0" and target.source.startswith("random:")
