@@ -45,6 +45,7 @@ from .manifest import (
     write_manifest,
 )
 from .pipelines import (
+    KEPT_MODULES,
     TEXT,
     UNCURATED,
     UNGUIDED,
@@ -59,6 +60,7 @@ from .pipelines import (
 )
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
 from .runtime.cache import check_artifact_files, mark_verified
+from .runtime.checkpoint import module_tensors
 from .runtime.regional import component_variants
 from .runtime.variant import LoadContext, leaf_name, tf32
 from .targets import ShapeBucket, Target
@@ -946,8 +948,10 @@ def _build_component(spec: ComponentSpec, module: torch.nn.Module, target: Targe
                                       variants[-1], {p: reference[p][spec.name] for p in plan.points})
     export.name_constants_apart(programs)
     compiled = _compile_all(programs, spec.name, inductor_options, stages)
+    kept = {fqn: tensor for fqn, tensor in module_tensors(exported).items() if fqn.split(".")[0] in KEPT_MODULES}
     with stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
-        constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device))
+        constants, layouts = _write_package(out, spec.name, compiled, programs, torch.device(target.device),
+                                            kept=kept)
     record = _component_record(spec, module, dtype, compiled, constants, layouts, variants)
     if unread := export.unread_weights(list(programs.values()), constants):
         record["unread"] = unread
@@ -1105,11 +1109,12 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
 
 
 def _write_package(out: Path, name: str, compiled: dict[str, list], programs: dict[str, torch.export.ExportedProgram],
-                   device: torch.device, regional: tuple | None = None,
+                   device: torch.device, regional: tuple | None = None, kept: dict[str, torch.Tensor] | None = None,
                    ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Write the package, then the weights: exactly the constants some variant binds (the
     programs also hold parameters no compiled code reads, e.g. the q/k/v projections that
-    fuse_qkv replaced), each in the memory order the code reads it. Returns (constants, layouts).
+    fuse_qkv replaced), each in the memory order the code reads it, and the `kept` tensors the
+    pipeline reads from the module itself (`KEPT_MODULES`). Returns (constants, layouts).
 
     `regional` (model, regions, instances, region entries): the constants are every instance's
     (by the model's FQNs), each region's lifted ones once (`<region>.<name>`), and the eager
@@ -1125,6 +1130,7 @@ def _write_package(out: Path, name: str, compiled: dict[str, list], programs: di
         constants = export.constants_of(list(programs.values()), {fqn for names in binds.values() for fqn in names})
     else:
         constants = _regional_constants(*regional, binds, programs)
+    constants = {**constants, **(kept or {})}
     stored, layouts = export.storage_order(constants)
     save_file({k: v.cpu() for k, v in stored.items()}, os.fspath(out / weights_file))
     (out / weights_file).chmod(0o644)

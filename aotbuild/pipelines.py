@@ -34,16 +34,25 @@ FRAMES = "num_frames"
 UNGUIDED = 0.0
 
 
-class VaeDecoderModule(torch.nn.Module):
-    """What `AutoencoderKL` runs per decode (or per tile): post-quant conv then decoder.
+# Submodules of a VAE part's export module that no compiled code reads and the pipeline does:
+# FLUX.2 normalizes its latents with its VAE's BatchNorm running statistics (`vae.bn`). Their
+# tensors are stored and bound with the part's weights, and the stand-in exposes them.
+KEPT_MODULES = ("bn",)
 
-    Holding only these two submodules keeps the encoder's weights out of the exported program.
+
+class VaeDecoderModule(torch.nn.Module):
+    """What `AutoencoderKL` (and FLUX.2's `AutoencoderKLFlux2`, the same code) runs per decode (or
+    per tile): post-quant conv then decoder.
+
+    Holding only these two submodules keeps the encoder's weights out of the exported program;
+    `bn` (`KEPT_MODULES`), where the VAE has one, is held for its statistics, never called.
     """
 
     def __init__(self, vae: torch.nn.Module) -> None:
         super().__init__()
         self.post_quant_conv = getattr(vae, "post_quant_conv", None)
         self.decoder = vae.decoder
+        self.bn = getattr(vae, "bn", None)
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         if self.post_quant_conv is not None:
@@ -59,6 +68,7 @@ class VaeEncoderModule(torch.nn.Module):
         super().__init__()
         self.encoder = vae.encoder
         self.quant_conv = getattr(vae, "quant_conv", None)
+        self.bn = getattr(vae, "bn", None)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         moments = self.encoder(images)
@@ -340,8 +350,9 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     """A spec for a diffusers pipeline class without an entry, from the model classes its
     `__init__` names: the `transformer` or `unet` as the denoiser (called as the pipeline calls
     it, `return_dict=False` pinned where it takes one), the `vae`'s decoder and encoder when it is
-    an `AutoencoderKL`. What the pipeline passes and how shapes and guidance batches follow the
-    call are found by capture, as for every pipeline. None: not such a class."""
+    an `AutoencoderKL` (or FLUX.2's, the same code). What the pipeline passes and how shapes and
+    guidance batches follow the call are found by capture, as for every pipeline. None: not such
+    a class."""
     import diffusers
 
     cls = getattr(diffusers, class_name, None)
@@ -362,7 +373,7 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
         components[f"{attribute}_2"] = dataclasses.replace(components[attribute], name=f"{attribute}_2",
                                                            attribute=f"{attribute}_2",
                                                            read_attributes=_attributes_read(cls, f"{attribute}_2"))
-    if issubclass(types.get("vae", type(None)), diffusers.AutoencoderKL):
+    if issubclass(types.get("vae", type(None)), (diffusers.AutoencoderKL, diffusers.AutoencoderKLFlux2)):
         components |= {"vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER}
     packed = hasattr(cls, "_pack_latents")  # 2x2 latent patches per token, packed by the pipeline
     stride = _unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed)

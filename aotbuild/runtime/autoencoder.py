@@ -47,6 +47,12 @@ class CompiledAutoencoderBase(StandIn):
         self.tile_latent_min_size = int(sample_size / vae_factor(config))  # as AutoencoderKL.__init__
         self.tile_overlap_factor = 0.25
         self.component_name = "vae"
+        # FLUX.2's latent BatchNorm, read by its pipeline: the first part's bound tensors (loads
+        # write them in place, so it follows every checkpoint the parts take).
+        kept = {fqn.removeprefix("bn."): tensor for fqn, tensor in self._first._weights.items()
+                if fqn.startswith("bn.")}
+        if kept:
+            self.bn = LatentStatistics(kept)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -134,11 +140,26 @@ class CompiledAutoencoderBase(StandIn):
         return f"parts={list(self.parts)}"
 
 
-@functools.cache
-def autoencoder_class() -> type:
-    """CompiledAutoencoderBase with AutoencoderKL's encode/decode methods (diffusers is imported
-    here, when a pipeline is built, not when the runtime is)."""
-    from diffusers import AutoencoderKL
+class LatentStatistics(torch.nn.Module):
+    """A VAE's latent BatchNorm as its pipeline reads it (`running_mean`, `running_var`): the
+    statistics are weights of the checkpoint, never computed here."""
 
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in buffers.items():
+            self.register_buffer(name, tensor)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise AotbuildError("vae.bn holds the latent statistics the pipeline reads; aotbuild does not run it")
+
+
+@functools.cache
+def autoencoder_class(class_name: str = "AutoencoderKL") -> type:
+    """CompiledAutoencoderBase with the encode/decode methods of the VAE class (FLUX.2's are
+    AutoencoderKL's code; AutoencoderKL's where it lacks one). diffusers is imported here, when a
+    pipeline is built, not when the runtime is."""
+    import diffusers
+
+    own, base = getattr(diffusers, class_name, diffusers.AutoencoderKL), diffusers.AutoencoderKL
     return type("CompiledAutoencoder", (CompiledAutoencoderBase,),
-                {name: AutoencoderKL.__dict__[name] for name in BORROWED})
+                {name: own.__dict__.get(name, base.__dict__[name]) for name in BORROWED})

@@ -178,7 +178,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
             else:  # the VAE's parts share one stand-in, made once all are loaded
                 parts.setdefault(entry["attribute"], (entry["config"], {}))[1][part] = component
     for attribute, (config, found) in parts.items():
-        modules[attribute] = autoencoder_class()(config, found)
+        modules[attribute] = autoencoder_class(config.get("_class_name", "AutoencoderKL"))(config, found)
     _serve_default_size(manifest, modules)
     return manifest, modules
 
