@@ -332,7 +332,7 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
     spec = pipeline_spec(tiny_target.pipeline)
     specs = [spec.component(n) for n in tiny_target.components]
     pipe = eager_pipeline(tiny_target)
-    points, plans = _plan(tiny_target, spec, specs, pipe.vae)
+    points, plans = _plan(tiny_target, spec, specs, pipe.vae, 1)
     reference, _, _ = _capture_all(pipe, spec, specs, tiny_target, points, torch.device("cpu"), lambda stage, msg: None)
     for calls in reference.values():
         for call in calls.values():
