@@ -35,7 +35,7 @@ class _Group(click.Group):
         except AotbuildError as exc:
             if ctx.params.get("debug"):
                 raise
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {exc.message}", err=True)
             if exc.hint:
                 click.echo(f"hint: {exc.hint}", err=True)
             ctx.exit(exc.exit_code)

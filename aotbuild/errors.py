@@ -4,13 +4,18 @@ from __future__ import annotations
 
 
 class AotbuildError(Exception):
-    """Base class. `hint` is the next step to suggest to the user, if there is one."""
+    """Base class. `hint` is the next step to suggest to the user, if there is one; `str()` (what a
+    traceback shows) gives the message and the hint, `message` the message alone."""
 
     exit_code = 1
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
+        self.message = message
         self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message + (f"\nhint: {self.hint}" if self.hint else "")
 
 
 class TargetError(AotbuildError):

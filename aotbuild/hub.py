@@ -381,6 +381,6 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
             verify_files(folder, manifest)
         except CorruptArtifactError as exc:
             # The HF cache trusts its blobs: pulling again reuses the damaged file until it is removed.
-            raise CorruptArtifactError(str(exc), hint=f"delete the damaged file from the Hugging Face cache "
+            raise CorruptArtifactError(exc.message, hint=f"delete the damaged file from the Hugging Face cache "
                                                       f"({snapshot}) and pull again") from None
     return Resolved(folder, repo_id, revision, snapshot.name, entry["path"])

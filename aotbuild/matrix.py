@@ -69,7 +69,7 @@ def build_one(target: Target, artifacts_dir: Path, *, force: bool = False, allow
             row.commit = push(result.folder, repo_id, revision=revision).commit
         return row
     except AotbuildError as exc:
-        error = str(exc) + (f" (hint: {exc.hint})" if exc.hint else "")
+        error = exc.message + (f" (hint: {exc.hint})" if exc.hint else "")
     except Exception as exc:  # a failed target fails alone; its error is reported, not raised
         error = f"{type(exc).__name__}: {exc}"
     return MatrixRow(target.name, "failed", node, build_s=time.perf_counter() - start, error=error)

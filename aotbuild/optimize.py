@@ -285,7 +285,7 @@ def validate_optimize(options: dict[str, Any], *, origin: str, device: str, gpu:
         try:
             PASSES[key].validate(value, device, gpu)
         except TargetError as exc:
-            raise TargetError(f"{origin}: {exc}") from None
+            raise TargetError(f"{origin}: {exc.message}", hint=exc.hint) from None
 
 
 def apply_dtype(modules: Modules, dtype: str, force_upcast: dict[str, bool]) -> dict[str, str]:

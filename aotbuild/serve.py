@@ -248,10 +248,10 @@ class ImageServer:
             async with self._lock:
                 images, seconds = await asyncio.to_thread(self._generate, call)
         except RequestError as exc:
-            return answer(exc.status, str(exc))
+            return answer(exc.status, exc.message)
         except (AotbuildError, ValueError) as exc:  # diffusers' and aotbuild's words for a call they cannot make
             hint = f" ({exc.hint})" if getattr(exc, "hint", None) else ""
-            return answer(422, f"{exc}{hint}")
+            return answer(422, f"{getattr(exc, 'message', exc)}{hint}")
         except Exception:  # the replica keeps serving; the client gets the request id, the log the rest
             _log.exception("request %s failed", request_id)
             return answer(500, f"the server failed to make this image; request {request_id}")

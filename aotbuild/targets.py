@@ -200,7 +200,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     try:
         spec = pipeline_spec(_expect(origin, "pipeline", raw["pipeline"], str, "a string"))
     except TargetError as exc:
-        raise TargetError(f"{origin}: key 'pipeline': {exc}") from None
+        raise TargetError(f"{origin}: key 'pipeline': {exc.message}", hint=exc.hint) from None
     source = _expect(origin, "source", raw["source"], str, "a string")
     device = _choice(origin, "device", raw["device"], DEVICES)
     dtype = _choice(origin, "dtype", raw.get("dtype", "float32"), DTYPES)
@@ -263,7 +263,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         stride = pixel_stride(spec, source, base_dir)
         largest = max_pixels(spec, source, base_dir)
     except SourceError as exc:
-        raise TargetError(f"{origin}: key 'source': {exc}") from None
+        raise TargetError(f"{origin}: key 'source': {exc.message}", hint=exc.hint) from None
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
@@ -391,7 +391,7 @@ def _frame_stride(spec: Any, source: str, base_dir: Path, origin: str) -> int:
     try:  # a Hub source's configs are not read here: the build checks its frames against the pipeline's
         return from_configs(source, base_dir, frame_stride, 1)
     except SourceError as exc:
-        raise TargetError(f"{origin}: key 'source': {exc}") from None
+        raise TargetError(f"{origin}: key 'source': {exc.message}", hint=exc.hint) from None
 
 
 def _check_frames(origin: str, key: str, frames: int, step: int, spec: Any) -> None:

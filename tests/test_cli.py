@@ -68,6 +68,24 @@ def test_run_without_artifact_says_how_to_build(tmp_path):
         in result.output
 
 
+def test_a_missing_artifact_folder_says_what_to_give_and_tracebacks_show_the_hint(tmp_path):
+    """A Hub id without hf:// or a folder that does not exist: named as such, not as a corrupt
+    artifact; in Python, `str(error)` (what a traceback prints) carries the hint too."""
+    import aotbuild
+    from aotbuild.errors import ArtifactError
+
+    with pytest.raises(ArtifactError) as raised:
+        aotbuild.load_pipeline("stabilityai/sdxl-turbo")
+    assert raised.value.message == "no artifact at stabilityai/sdxl-turbo: no such folder"
+    assert str(raised.value) == (f"{raised.value.message}\nhint: an artifact on the Hub is named "
+                                 f"hf://stabilityai/sdxl-turbo (a diffusers model's repo is a target's source: build "
+                                 f"it first)")
+    result = CliRunner().invoke(main, ["run", "--artifact", str(tmp_path / "nowhere"), "--prompt", "x"])
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        f"error: no artifact at {tmp_path / 'nowhere'}: no such folder",
+        "hint: give an artifact's folder: artifacts/NAME after `aotbuild build --target NAME`, or hf://org/name"]
+
+
 def test_run_at_an_uncovered_shape_is_one_line(built):
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--artifacts", str(built.artifacts),
                                        "--prompt", "x", "--steps", "1", "--height", "128", "--width", "128"])

@@ -8,6 +8,7 @@ import functools
 import importlib
 import logging
 import os
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AotbuildError, SourceError
+from ..errors import AotbuildError, ArtifactError, SourceError
 from ..hub import check_trusted
 from ..manifest import DTYPES, check_compatible, check_libraries, read_manifest, sha256_file, validated_with_tf32
 from ..pipelines import pipeline_spec
@@ -233,7 +234,15 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
 
         resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify, variant=variant)
         return resolved.folder, resolved
-    return Path(artifact), None
+    folder = Path(artifact)
+    if not folder.exists():
+        text = os.fspath(artifact)
+        hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w./-]+)?", text) is not None
+        raise ArtifactError(f"no artifact at {text}: no such folder", hint=(
+            f"an artifact on the Hub is named hf://{text} (a diffusers model's repo is a target's source: build "
+            f"it first)" if hub_like else
+            "give an artifact's folder: artifacts/NAME after `aotbuild build --target NAME`, or hf://org/name"))
+    return folder, None
 
 
 WEIGHTS_CHOICES = ("pipeline", "artifact")
