@@ -42,15 +42,29 @@ def built_artifact(target: Target, artifacts_dir: Path) -> Path:
     return folder
 
 
+LORA_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
 def parse_lora(text: str) -> tuple[str, float]:
-    """`PATH[:SCALE]` (a LoRA file, folder or Hub id, and its adapter weight, 1.0 by default)."""
+    """`PATH[:SCALE]` (a LoRA file, folder or Hub id, and its adapter weight, 1.0 by default).
+    A LoRA that names a file or folder on this machine (a path, not `org/name`) must be there:
+    checked before anything loads, not found by diffusers as a Hub id after network retries."""
     path, sep, scale = text.rpartition(":")
-    if sep and path:
+    weight = 1.0
+    if sep and path and "/" not in scale:
         try:
-            return path, float(scale)
+            weight = float(scale)
         except ValueError:
-            pass
-    return text, 1.0
+            raise AotbuildError(f"--lora {text}: the adapter weight {scale!r} after ':' is not a number",
+                                hint="give PATH or PATH:WEIGHT, e.g. ink.safetensors:0.7") from None
+    else:
+        path = text
+    local = Path(path).expanduser()
+    hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and local.suffix not in LORA_SUFFIXES
+    if not hub_id and not local.exists():
+        raise AotbuildError(f"--lora {path}: no such file or folder",
+                            hint="give a LoRA file or folder on this machine, or a Hub repo as org/name")
+    return path, weight
 
 
 def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:

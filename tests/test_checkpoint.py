@@ -71,11 +71,20 @@ def test_another_architecture_names_the_first_difference():
                              torch.float32, None, torch.device("cpu"))
 
 
-def test_parse_lora_and_the_per_call_scale():
-    assert parse_lora("styles/ink.safetensors") == ("styles/ink.safetensors", 1.0)
-    assert parse_lora("styles/ink.safetensors:0.6") == ("styles/ink.safetensors", 0.6)
-    assert parse_lora("org/lora-repo:1.5") == ("org/lora-repo", 1.5)
-    assert parse_lora("weird:name") == ("weird:name", 1.0)
+def test_parse_lora_and_the_per_call_scale(tmp_path):
+    ink = tmp_path / "styles" / "ink.safetensors"
+    ink.parent.mkdir()
+    ink.write_bytes(b"")
+    assert parse_lora(str(ink)) == (str(ink), 1.0)
+    assert parse_lora(f"{ink}:0.6") == (str(ink), 0.6)
+    assert parse_lora("org/lora-repo:1.5") == ("org/lora-repo", 1.5)  # a Hub id: diffusers resolves it
+    with pytest.raises(AotbuildError, match=r"--lora .*ink.safetensors:abc: the adapter weight 'abc' after ':' is "
+                                            r"not a number") as raised:
+        parse_lora(f"{ink}:abc")
+    assert raised.value.hint == "give PATH or PATH:WEIGHT, e.g. ink.safetensors:0.7"
+    for missing in ("ink.safetensors:0.7", "org/ink.safetensors", "./styles/ink", str(tmp_path / "none")):
+        with pytest.raises(AotbuildError, match=r"--lora .*: no such file or folder"):  # before any network
+            parse_lora(missing)
     kwargs = {"cross_attention_kwargs": {"scale": 0.3}, "joint_attention_kwargs": {"scale": 0.5, "other": 1}}
     assert pop_scale(kwargs, traced={"cross_attention_kwargs"}) == 0.5
     assert kwargs == {"cross_attention_kwargs": None, "joint_attention_kwargs": {"other": 1}}
