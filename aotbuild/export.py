@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .errors import BuildError
+from .errors import AotbuildError, BuildError
 
 # Options every compile gets, on top of the target's [inductor] table:
 # - the package holds code only; weights go to safetensors and are bound at load;
@@ -66,25 +66,38 @@ def nvcc() -> str | None:
     return shutil.which(_cuda_compiler() or "nvcc")
 
 
+def check_inductor_keys(options: dict[str, Any], error: type[AotbuildError], origin: str = "") -> None:
+    """Each [inductor] key is an inductor config option of this torch that aotbuild does not set
+    itself; an unknown one is refused naming the closest options (a typo)."""
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = list(inductor_config.get_config_copy())
+    where = f"{origin}: " if origin else ""
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+            raise error(f"{where}[inductor] key {key!r} is not an inductor config option of torch {torch.__version__}",
+                        hint=f"did you mean {' or '.join(map(repr, close))}?" if close else
+                        "see torch._inductor.config for the options")
+        if key in WEIGHTLESS_OPTIONS:
+            raise error(f"{where}[inductor] key {key!r} is set by aotbuild to keep packages weight-less")
+        if key == MULTI_ARCH_OPTION:
+            raise error(f"{where}[inductor] key {key!r} is set by aotbuild",
+                        hint="use gpu = { ..., multi_arch = true }")
+        if key == MARCH_OPTION:
+            raise error(f"{where}[inductor] key {key!r} is set by aotbuild: CPU code is built for this machine's CPU "
+                        f"(checked at load), CUDA host code for a portable baseline")
+
+
 def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None, *,
                      multi_arch: bool = False, device: str = "cpu") -> dict[str, Any]:
     """The full per-compile option dict: profile, then the passes' flags, then the target's explicit
     keys, then the options aotbuild owns (weight-less packaging, multi-arch kernels, a portable
     host-code baseline on CUDA). Unknown inductor keys are refused by name."""
-    from torch._inductor import config as inductor_config
-
     explicit = {k: v for k, v in target_options.items() if k != "profile"}
-    known = set(inductor_config.get_config_copy())
-    for key in explicit:
-        if key not in known:
-            raise BuildError(f"[inductor] key {key!r} is not an inductor config option of torch {torch.__version__}")
-        if key in WEIGHTLESS_OPTIONS:
-            raise BuildError(f"[inductor] key {key!r} is set by aotbuild to keep packages weight-less")
-        if key == MULTI_ARCH_OPTION:
-            raise BuildError(f"[inductor] key {key!r} is set by aotbuild", hint="use gpu = { ..., multi_arch = true }")
-        if key == MARCH_OPTION:
-            raise BuildError(f"[inductor] key {key!r} is set by aotbuild: CPU code is built for this machine's CPU "
-                             f"(checked at load), CUDA host code for a portable baseline")
+    check_inductor_keys(explicit, BuildError)
     profile = PROFILES[target_options.get("profile", "default")]
     owned = {**WEIGHTLESS_OPTIONS, **({MULTI_ARCH_OPTION: True} if multi_arch else {}),
              **({MARCH_OPTION: PORTABLE_MARCH} if device == "cuda" else {})}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .errors import SourceError, TargetError
-from .export import PROFILES, supports_multi_arch
+from .export import PROFILES, check_inductor_keys, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
 from .pipelines import TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
 
@@ -323,6 +323,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     if inductor.get("profile", "default") not in PROFILES:
         raise TargetError(f"{origin}: key 'inductor.profile' is {inductor['profile']!r}; "
                           f"allowed: {', '.join(PROFILES)}")
+    check_inductor_keys({k: v for k, v in inductor.items() if k != "profile"}, TargetError, origin)
 
     cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
     if cuda_graphs and device != "cuda":

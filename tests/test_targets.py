@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from aotbuild.cli import main
@@ -179,6 +180,15 @@ def test_cli_reports_target_error_in_one_line(tmp_path):
     assert result.exit_code == 2
     assert result.output.startswith("error: ") and "unknown key 'colour'" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_an_inductor_typo_is_refused_when_the_target_is_read_with_the_closest_option(tmp_path):
+    path = write_target(tmp_path, GOOD + '\n[inductor]\n"coordinate_descent_tunning" = true\n')
+    result = CliRunner().invoke(main, ["build", "--target", str(path)])
+    assert result.exit_code == 2 and [line for line in result.output.splitlines() if "Traceback" in line
+                                      or line.startswith(("error:", "hint:"))] == [
+        f"error: {path}: [inductor] key 'coordinate_descent_tunning' is not an inductor config option of torch "
+        f"{torch.__version__}", "hint: did you mean 'coordinate_descent_tuning'?"]
 
 
 def test_cli_targets_lists_one_line_each():
