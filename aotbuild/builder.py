@@ -1098,7 +1098,8 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
         first.setdefault(id(module), name)
     unique = {name: modules[name] for name in first.values()}
     for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module) and id(component) not in first:
+        if isinstance(component, torch.nn.Module) and id(component) not in first \
+                and getattr(component, "dtype", None) != DTYPES[target.dtype]:  # a cast that is no cast warns
             component.to(DTYPES[target.dtype])
     force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in unique.items()}
     dtypes = optimize.apply_dtype(unique, target.dtype, force_upcast)

@@ -4,6 +4,7 @@ line on stderr (plus a hint) and a non-zero exit, with a traceback only under --
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 import warnings
@@ -26,10 +27,24 @@ def _warning_line(message: Warning | str, category: type[Warning], *args: Any, *
 
 _FORMAT_WARNING = warnings.formatwarning
 
+# What importing the libraries prints in every command, none of it actionable there (shown under
+# --debug): torchao's kernels built for another Python, the checkpoint formats diffusers cannot
+# register without them, torch's pytree deprecations, transformers' PIL fallback without
+# torchvision (aotbuild never needs torchvision), and the libraries' FutureWarnings.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao", "transformers.utils.import_utils")
+
+
+def _quiet_libraries() -> None:
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         warnings.formatwarning = _warning_line
+        if not ctx.params.get("debug"):
+            _quiet_libraries()
         try:
             return super().invoke(ctx)
         except AotbuildError as exc:

@@ -191,6 +191,19 @@ def test_an_inductor_typo_is_refused_when_the_target_is_read_with_the_closest_op
         f"{torch.__version__}", "hint: did you mean 'coordinate_descent_tuning'?"]
 
 
+def test_commands_print_nothing_the_libraries_say_on_import(tmp_path):
+    """A fresh `aotbuild targets` process imports diffusers, transformers and torchao: their
+    import-time notes (torchao's kernels for another Python, torch's pytree deprecations,
+    transformers' PIL fallback without torchvision) look like a broken install; none is printed."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "aotbuild.cli", "targets", "--dir", str(TARGETS)],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0 and "cpu-tiny-sdxl" in result.stdout
+    assert result.stderr == ""
+
+
 def test_cli_targets_lists_one_line_each():
     result = CliRunner().invoke(main, ["targets", "--dir", str(TARGETS)])
     assert result.exit_code == 0, result.output
