@@ -197,30 +197,66 @@ def _target_lock(staging_root: Path, name: str, wait: float | None = None,
     process until it ends (the kernel drops it when the process dies, whatever its PID becomes).
     The holder writes who it is into the file, for a waiting build to say; a build waits `wait`
     seconds at most (None: as long as it takes). Yields the target's staging folder: whoever holds
-    the lock owns everything in it, so what it finds there was left by a build that died."""
+    the lock owns everything in it, so what it finds there was left by a build that died.
+
+    A build that ends leaves nothing behind: it removes its staging folder, then the lock file
+    while it holds it, then `<staging>` if no other build uses it. A build that then locks the file
+    just removed finds it is no longer the one at the path and opens the path again."""
     import json
     import socket
 
     path = staging_root / f"{name}.lock"
-    with open(path, "a+") as lock:  # never truncated before it is held: the holder's record stays readable
-        if not _try_lock(lock):
+    waited_since, holder = None, ""
+    while True:
+        lock = _open_lock(staging_root, path)
+        held = _try_lock(lock)
+        if held and _is_current(lock, path):
+            break
+        lock.close()
+        if held:  # a file a finished build removed: take the one at the path now
+            continue
+        if waited_since is None:
             holder = _lock_holder(path)
             limit = "" if wait is None else f" (up to {wait:g} s)"
             progress("wait", f"another build of {name} is running ({holder}); waiting for it to finish{limit}")
-            deadline = None if wait is None else time.monotonic() + wait
-            while not _try_lock(lock):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise BuildError(f"another build of {name} is still running ({holder}) after {wait:g} s",
-                                     hint="let it finish, or wait longer: aotbuild build --wait SECONDS")
-                time.sleep(0.25)
+            waited_since = time.monotonic()
+        elif wait is not None and time.monotonic() - waited_since >= wait:
+            raise BuildError(f"another build of {name} is still running ({holder}) after {wait:g} s",
+                             hint="let it finish, or wait longer: aotbuild build --wait SECONDS")
+        time.sleep(0.25)
+    staging_dir = staging_root / name
+    try:
         lock.seek(0)
         lock.truncate()
         lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}))
         lock.flush()
-        staging_dir = staging_root / name
         staging_dir.mkdir(exist_ok=True)
         yield staging_dir
+    finally:
+        for remove in (staging_dir.rmdir, path.unlink, staging_root.rmdir):  # rmdir: only when empty
+            with contextlib.suppress(OSError):
+                remove()
+        lock.close()
+
+
+def _open_lock(staging_root: Path, path: Path) -> Any:
+    """The lock file, opened for appending (never truncated before it is held: the holder's record
+    stays readable); `staging_root` is made again when a finishing build removed it meanwhile."""
+    while True:
+        staging_root.mkdir(parents=True, exist_ok=True)
+        try:
+            return open(path, "a+")
+        except FileNotFoundError:
+            continue
+
+
+def _is_current(lock: Any, path: Path) -> bool:
+    """Whether the open lock file is still the file at `path` (not one a finished build removed)."""
+    try:
+        return os.path.samestat(os.fstat(lock.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _try_lock(lock: Any) -> bool:

@@ -281,7 +281,8 @@ def test_killed_build_leaves_previous_artifact(built, tmp_path):
     # folder, so everything in it is stale (the next build does this first).
     with _target_lock(staging_root, built.folder.name) as staging_dir:
         _recover_stale_staging(staging_dir, artifacts / built.folder.name)
-    assert list(staging.iterdir()) == []
+        assert list(staging.iterdir()) == []
+    assert not staging_root.exists()  # the lock file, the staging folders: nothing is left behind
     verify_files(artifacts / built.folder.name, manifest)
 
 
@@ -294,7 +295,34 @@ def test_build_killed_between_renames_gets_its_previous_artifact_back(built, tmp
     with _target_lock(artifacts / STAGING_DIRNAME, built.folder.name) as staging_dir:
         _recover_stale_staging(staging_dir, artifacts / built.folder.name)
     verify_files(artifacts / built.folder.name, read_manifest(artifacts / built.folder.name))
-    assert list((artifacts / STAGING_DIRNAME / built.folder.name).iterdir()) == []
+    assert list(artifacts.iterdir()) == [artifacts / built.folder.name]
+
+
+def test_build_locks_stay_exclusive_while_finished_builds_remove_them(tmp_path):
+    """Each build removes its lock file and staging folders when it ends; builds waiting meanwhile
+    still take turns (one that locks a removed file opens the path again), and none is left."""
+    import threading
+
+    from aotbuild.builder import _target_lock
+
+    staging_root, inside, overlaps = tmp_path / ".staging", [], []
+
+    def one_build(i: int) -> None:
+        for _ in range(5):
+            with _target_lock(staging_root, "t", None, lambda stage, message: None) as staging_dir:
+                inside.append(i)
+                overlaps.extend([list(inside)] if len(inside) > 1 else [])
+                (staging_dir / f"build-{i}").mkdir()
+                time.sleep(0.01)
+                (staging_dir / f"build-{i}").rmdir()
+                inside.remove(i)
+
+    threads = [threading.Thread(target=one_build, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlaps == [] and not staging_root.exists()
 
 
 def test_build_waiting_for_the_lock_checks_freshness_again(built, tiny_target, tmp_path):
