@@ -218,6 +218,10 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     video = defaults["frames"] is not None
     if guidance_scale is None:
         guidance_scale = defaults["guidance_scale"]
+    if negative_prompt is not None and guidance_scale <= 1:
+        click.echo(f"note: --negative-prompt has no effect at guidance_scale {guidance_scale:g}: there is no "
+                   f"unconditional pass for it to steer (diffusers ignores it too); raise --guidance-scale above 1",
+                   err=True)
     gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or defaults["height"],
                    width=width or defaults["width"], batch=batch or (1 if image else defaults["batch"]),
                    guidance_scale=guidance_scale,
@@ -231,6 +235,9 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
             else:
                 picture.save(path)
             click.echo(f"wrote {path}")
+    else:
+        click.echo(f"note: the {'video' if video else 'image'}s were not saved: give --output FILE."
+                   f"{'mp4' if video else 'png'}", err=True)
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
     mode = (" image-to-video" if video else " img2img") if image else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"

@@ -115,8 +115,9 @@ def test_cache_shows_and_clears_extracted_packages(built, tmp_path, monkeypatch)
 
 def test_run_an_artifact_img2img_without_guidance_prints_only_its_result(tmp_path_factory, tmp_path):
     """`run --artifact` with --image/--strength/--guidance-scale/--negative-prompt, in a fresh
-    process: stdout has the result line, stderr nothing (no library warnings on load), and the
-    image is eager img2img's with the same arguments."""
+    process: stdout has the result line, stderr only the note that a negative prompt does nothing
+    without guidance (no library warnings on load), and the image is eager img2img's with the same
+    arguments; without --output, a note says nothing was saved."""
     import subprocess
     import sys
     from pathlib import Path
@@ -134,13 +135,16 @@ def test_run_an_artifact_img2img_without_guidance_prints_only_its_result(tmp_pat
             "--output", str(tmp_path / "out.png")]
     result = subprocess.run([str(Path(sys.executable).parent / "aotbuild"), *args], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    assert result.stderr == ("note: --negative-prompt has no effect at guidance_scale 1: there is no unconditional "
+                             "pass for it to steer (diffusers ignores it too); raise --guidance-scale above 1\n")
     lines = result.stdout.splitlines()
     assert lines[0] == f"wrote {tmp_path / 'out.png'}" and lines[1].startswith("backend=aot img2img guidance_scale=1 ")
     want = generate(eager_pipeline(target), "a red fox", steps=4, seed=0, height=64, width=64, guidance_scale=1.0,
                     negative_prompt="blurry", image=Image.open(tmp_path / "in.png").convert("RGB"), strength=0.5)
     got = np.asarray(Image.open(tmp_path / "out.png"), dtype=np.int16)
     assert got.shape == (64, 64, 3) and np.abs(got - np.asarray(want.images[0], dtype=np.int16)).max() <= 1
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", "a red fox", "--steps", "1"])
+    assert result.exit_code == 0 and "note: the images were not saved: give --output FILE.png" in result.output
 
 
 def test_run_needs_one_of_target_or_artifact():
