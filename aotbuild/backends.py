@@ -207,8 +207,13 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     elif "callback" in taken:  # the older per-step hook (PixArt), whose **kwargs would swallow the newer one
         call |= {"callback": lambda step, timestep, latents: on_step_end(pipe, step, timestep, {}), "callback_steps": 1}
     start = time.perf_counter()
-    with torch.no_grad():
-        result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **call)
+    try:
+        with torch.no_grad():
+            result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **call)
+    except ValueError as exc:  # the pipeline's own input checks (diffusers: height in 8s, and the like)
+        asked = ", ".join(f"{k}={v}" for k, v in call.items() if k in ("height", "width", FRAMES, "strength"))
+        raise AotbuildError(f"{type(pipe).__name__} refuses this call ({asked}): {str(exc).strip()}",
+                            hint="change the option it names") from None
     total = time.perf_counter() - start
     ends = [start, *marks]
     images = result.frames if hasattr(result, "frames") else result.images

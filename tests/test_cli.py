@@ -93,6 +93,11 @@ def test_run_at_an_uncovered_shape_is_one_line(built):
     assert ("covers: 64x64 px, 1 image, with and without guidance; 64x96 px, 1-2 images, with and without "
             "guidance; 32-96x32-96 px (multiples of 4), 1-3 images, with and without guidance") in result.output
     assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", "x", "--steps", "1",
+                                       "--height", "100", "--width", "64"])  # diffusers' own check: one line
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        "error: StableDiffusionXLPipeline refuses this call (height=100, width=64): `height` and `width` have to be "
+        "divisible by 8 but are 100 and 64.", "hint: change the option it names"]
 
 
 def test_cache_shows_and_clears_extracted_packages(built, tmp_path, monkeypatch):
