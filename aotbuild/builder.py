@@ -283,11 +283,17 @@ def _lock_holder(path: Path) -> str:
 def _check_device(target: Target) -> None:
     if target.device == "cuda":
         if not torch.cuda.is_available():
-            raise BuildError(f"target {target.name} is for cuda, and this machine has no CUDA device")
+            cpu = " (this torch is a CPU build)" if torch.version.cuda is None else ""
+            raise BuildError(f"target {target.name} is for cuda, and this machine has no CUDA device{cpu}",
+                             hint="build it on a machine with its GPU (or through Ray: aotbuild build --ray --address "
+                                  "HOST:PORT, with a GPU node), or build a CPU target here (aotbuild targets lists "
+                                  "the cpu-* ones)")
         found = "{}.{}".format(*torch.cuda.get_device_capability())
         if target.gpu and found != target.gpu.capability:
             raise BuildError(f"target {target.name} is for compute capability {target.gpu.capability} "
-                             f"({target.gpu.name}); this GPU is {found}")
+                             f"({target.gpu.name}); this GPU is {found}",
+                             hint=f"build it on a {target.gpu.name}, or copy the target and set its gpu to this "
+                                  f"one's (an artifact runs on the capability it was built for)")
         if target.gpu and target.gpu.multi_arch and not export.nvcc():
             raise BuildError(f"target {target.name} asks for multi-arch kernels, and nvcc (the CUDA toolkit) is "
                              f"not on PATH", hint="install the CUDA toolkit and put nvcc on PATH, or set CUDACXX to it")

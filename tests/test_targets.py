@@ -204,6 +204,15 @@ def test_commands_print_nothing_the_libraries_say_on_import(tmp_path):
     assert result.stderr == ""
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_gpu_target_on_a_cpu_machine_says_where_to_build_it(tmp_path):
+    result = CliRunner().invoke(main, ["build", "--target", "h100-sdxl", "--artifacts", str(tmp_path)])
+    assert result.exit_code == 1 and "error: target h100-sdxl is for cuda, and this machine has no CUDA device" \
+        in result.output
+    assert "hint: build it on a machine with its GPU (or through Ray" in result.output and "cpu-*" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_targets_lists_one_line_each():
     result = CliRunner().invoke(main, ["targets", "--dir", str(TARGETS)])
     assert result.exit_code == 0, result.output
