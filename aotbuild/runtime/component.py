@@ -265,7 +265,9 @@ class CompiledComponent(StandIn):
         else:
             message = unsupported_call(self.component_name, self.variants, call_args, call_kwargs)
             if not self._eager:
-                raise ShapeNotSupportedError(message)
+                # A size, text length, frame count or guidance the variants do not cover (the message
+                # lists what they do): the target can cover it; an input the code lacks, it cannot.
+                raise ShapeNotSupportedError(message, hint=COVER_HINT if "this artifact covers:" in message else None)
             if self._lora is not None and self._lora.active:
                 raise ShapeNotSupportedError(f"{message}; the eager fallback runs without the LoRA adapters loaded "
                                              f"into the compiled model")
@@ -465,6 +467,9 @@ FEATURE_INPUTS = {
     "cross_attention_kwargs.ip_adapter_masks": "IP-Adapter masks",
     "timestep_cond": "a guidance embedding (time_cond_proj_dim)",
 }
+
+COVER_HINT = ("cover this call in the target (a [[shapes]] bucket, or a wider [dynamic] range) and rebuild: aotbuild "
+              "build --target NAME --force; or load with eager_fallback=True to run such calls eager")
 
 # The denoiser's constant inputs a pipeline call's argument sets, to name that argument in refusals.
 CALL_SETS = {"rope_interpolation_scale": "frame_rate"}  # LTX-Video: VAE temporal compression / frame_rate
