@@ -250,12 +250,16 @@ def check_compatible(manifest: dict[str, Any], *, device: str | torch.device | N
         raise IncompatibleArtifactError("torch", here["torch"], built["torch"],
                                         hint="compiled code is tied to the torch build; rebuild with this torch")
     if device is not None and device != built["device_type"]:
-        raise IncompatibleArtifactError("device_type", device, built["device_type"])
+        raise IncompatibleArtifactError("device_type", device, built["device_type"],
+                                        hint=f"load it with device={built['device_type']!r}, or build a target for "
+                                             f"{device} (a copy of its target with device = \"{device}\")")
     if built["platform"] != here["platform"]:
         raise IncompatibleArtifactError("platform", here["platform"], built["platform"])
     if built["device_type"] == "cuda":
         if "gpu_capability" not in here:
-            raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda")
+            raise IncompatibleArtifactError("device_type", "cpu (no CUDA device)", "cuda",
+                                            hint="run it on a machine with the GPU it was built for, or build a CPU "
+                                                 "target for this machine (aotbuild targets lists the cpu-* ones)")
         if not gpu_fits(built, here):
             raise IncompatibleArtifactError("gpu_capability", here.get("gpu_capability"), built.get("gpu_capability"),
                                             hint=_capability_hint(built))
@@ -269,4 +273,6 @@ def check_compatible(manifest: dict[str, Any], *, device: str | torch.device | N
             raise IncompatibleArtifactError("cpu_flags", f"a CPU without {', '.join(missing)}",
                                             "built for a CPU with them")
     if dtype is not None and dtype != manifest["target"]["dtype"]:
-        raise IncompatibleArtifactError("dtype", dtype, manifest["target"]["dtype"])
+        raise IncompatibleArtifactError("dtype", dtype, manifest["target"]["dtype"],
+                                        hint=f"load it without dtype= (it runs {manifest['target']['dtype']}), or "
+                                             f"build a target with dtype = \"{dtype}\"")

@@ -224,10 +224,14 @@ def test_cpu_without_the_build_machines_instructions_is_refused(artifact_copy):
 
 
 def test_wrong_dtype_or_device_is_refused(built):
-    with pytest.raises(IncompatibleArtifactError, match="dtype is 'float32' in the artifact, 'bfloat16' here"):
+    """Each with what to do instead (rebuilding on this machine would build the same artifact)."""
+    with pytest.raises(IncompatibleArtifactError, match="dtype is 'float32' in the artifact, 'bfloat16' here") as info:
         aotbuild.load_pipeline(built.folder, dtype="bfloat16")
-    with pytest.raises(IncompatibleArtifactError, match="device_type is 'cpu' in the artifact, 'cuda' here"):
+    assert info.value.hint == 'load it without dtype= (it runs float32), or build a target with dtype = "bfloat16"'
+    with pytest.raises(IncompatibleArtifactError, match="device_type is 'cpu' in the artifact, 'cuda' here") as info:
         load_components(built.folder, device="cuda")
+    assert info.value.hint == ("load it with device='cpu', or build a target for cuda (a copy of its target with "
+                               'device = "cuda")')
 
 
 def test_second_build_is_skipped_and_a_changed_target_is_not_fresh(built, tiny_target):
