@@ -182,8 +182,14 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
     from .media import check_video_writer, video_fps, write_video
 
-    if (target_name is None) == (artifact is None):
+    if target_name is not None and artifact is not None:
+        raise AotbuildError(f"give --target or --artifact, not both: --target {target_name} runs the target's "
+                            f"artifact in --artifacts (or its pipeline, with --backend eager|compile); --artifact "
+                            f"{artifact} runs that artifact")
+    if target_name is None and artifact is None:
         raise AotbuildError("give --target NAME or --artifact FOLDER|hf://org/name[@revision]")
+    if artifact is not None:
+        _check_artifact_argument(artifact)
     if artifact is not None and backend != "aot":
         raise AotbuildError(f"--artifact runs the artifact; --backend {backend} runs a target's pipeline: "
                             f"give --target")
@@ -451,6 +457,17 @@ def cache(clear: bool) -> None:
     click.echo(f"{root}: {count} extracted package(s), {_mib(size)}")
     if clear and count:
         click.echo(f"cleared {_mib(clear_package_cache())}")
+
+
+def _check_artifact_argument(artifact: str) -> None:
+    """`--artifact NAME` where NAME is no folder but a target's name: say what to pass instead."""
+    from .targets import default_targets_dir
+
+    if not artifact.startswith("hf://") and not Path(artifact).exists() \
+            and (default_targets_dir() / f"{artifact}.toml").is_file():
+        raise AotbuildError(f"--artifact {artifact}: no such folder; {artifact} is a target",
+                            hint=f"give --target {artifact} (it runs artifacts/{artifact}), or --artifact "
+                                 f"artifacts/{artifact}")
 
 
 def _check_made(recorded: dict[str, Any], frames: int | None, output: Path | None) -> None:

@@ -156,5 +156,12 @@ def test_run_an_artifact_img2img_without_guidance_prints_only_its_result(tmp_pat
 def test_run_needs_one_of_target_or_artifact():
     result = CliRunner().invoke(main, ["run", "--prompt", "x"])
     assert result.exit_code == 1 and "give --target NAME or --artifact FOLDER|hf://org/name[@revision]" in result.output
+    result = CliRunner().invoke(main, ["run", "--target", "cpu-tiny-sdxl", "--artifact", "x", "--prompt", "x"])
+    assert result.exit_code == 1 and "give --target or --artifact, not both: --target cpu-tiny-sdxl runs the " \
+        "target's artifact in --artifacts" in result.output
+    result = CliRunner().invoke(main, ["run", "--artifact", "cpu-tiny-sdxl", "--prompt", "x"])  # a target's name
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        "error: --artifact cpu-tiny-sdxl: no such folder; cpu-tiny-sdxl is a target",
+        "hint: give --target cpu-tiny-sdxl (it runs artifacts/cpu-tiny-sdxl), or --artifact artifacts/cpu-tiny-sdxl"]
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--prompt", "x", "--strength", "0.5"])
     assert result.exit_code == 1 and "--strength applies to img2img: give --image too" in result.output
