@@ -206,7 +206,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise AotbuildError("--plot needs matplotlib", hint="pip install 'aotbuild[plot]'") from None
+        raise AotbuildError("--plot needs matplotlib", hint="pip install matplotlib") from None
     cases = list(document["summary"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, figure, title in ((axes[0], "first_image_s", "cold: process start to first image (s)"),

@@ -20,7 +20,7 @@ def require_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise AotbuildError("this needs Ray, which is not installed", hint="pip install 'aotbuild[ray]'") from None
+        raise AotbuildError("this needs Ray, which is not installed", hint="pip install 'ray[serve]>=2.40'") from None
     return ray
 
 

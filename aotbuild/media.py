@@ -33,7 +33,7 @@ def check_video_writer() -> None:
         import imageio_ffmpeg  # noqa: F401
     except ImportError:
         raise AotbuildError("writing an MP4 needs imageio and imageio-ffmpeg",
-                            hint="pip install 'aotbuild[video]'") from None
+                            hint="pip install imageio imageio-ffmpeg") from None
 
 
 def write_video(frames: list[Any], path: Path, fps: int) -> None:

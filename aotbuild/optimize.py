@@ -245,7 +245,7 @@ def apply_quantize(modules: Modules, value: str, device: str) -> dict[str, Any]:
     try:
         from torchao.quantization import quantize_
     except ImportError:
-        raise TargetError("optimize.quantize needs torchao at build time: pip install 'aotbuild[quant]'") from None
+        raise TargetError("optimize.quantize needs torchao at build time: pip install 'torchao>=0.18'") from None
     from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
     recipe = QUANT_RECIPES[value]
