@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,23 +117,28 @@ def _build(tmp_path_factory, target) -> SimpleNamespace:
 
 
 class _Builder(threading.Thread):
-    """Builds targets one after another, each in an `aotbuild build` process logging to a file."""
+    """Builds targets one after another, each in an `aotbuild build` process logging to a file,
+    and says on the terminal when each is done (`say`): the first tests wait minutes for them."""
 
-    def __init__(self, names: tuple[str, ...], artifacts: Path, logs: Path) -> None:
+    def __init__(self, names: tuple[str, ...], artifacts: Path, logs: Path, say=lambda line: None) -> None:
         super().__init__(daemon=True)
-        self.names, self.artifacts, self.logs = names, artifacts, logs
+        self.names, self.artifacts, self.logs, self.say = names, artifacts, logs, say
         self.process: subprocess.Popen | None = None
         self.stopped = False
 
     def run(self) -> None:
-        for name in self.names:
+        for i, name in enumerate(self.names, 1):
             if self.stopped:
                 return
+            start = time.monotonic()
             with open(self.logs / f"{name}.log", "w") as log:
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "aotbuild.cli", "build", "--target", str(TARGETS / f"{name}.toml"),
                      "--artifacts", str(self.artifacts)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-                self.process.wait()
+                code = self.process.wait()
+            if not self.stopped:
+                outcome = "built" if code == 0 else f"failed (exit {code}; the test that needs it builds it again)"
+                self.say(f"[prebuild] {name} {outcome} in {time.monotonic() - start:.0f} s ({i}/{len(self.names)})")
 
     def stop(self) -> None:
         self.stopped = True
@@ -142,13 +148,25 @@ class _Builder(threading.Thread):
         self.join()
 
 
+_SAID: list[str] = []  # what the builders say, printed between tests (output is captured during them)
+
+
+def pytest_runtest_logreport(report) -> None:
+    reporter = _SESSION.get("reporter")
+    while _SAID and reporter is not None:
+        reporter.write_line(_SAID.pop(0))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _prebuilt(request, tmp_path_factory):
     """Start the background builders when the session runs slow tests (they build the targets)."""
     artifacts = _artifacts(tmp_path_factory)
+    _SESSION["reporter"] = request.config.pluginmanager.get_plugin("terminalreporter")
     builders = []
     if any(item.get_closest_marker("slow") for item in request.session.items):
-        builders = [_Builder(names, artifacts, _SESSION["logs"]) for names in PREBUILDS]
+        _SAID.append(f"[prebuild] building {sum(map(len, PREBUILDS))} tiny targets in {len(PREBUILDS)} background "
+                     f"builders (logs: {_SESSION['logs']}); the first tests wait for the targets they need")
+        builders = [_Builder(names, artifacts, _SESSION["logs"], _SAID.append) for names in PREBUILDS]
         for builder in builders:
             builder.start()
     yield
