@@ -15,7 +15,7 @@ import click
 
 from .errors import AotbuildError
 
-ARTIFACTS_HELP = "folder holding one artifact folder per target"
+ARTIFACTS_HELP = "folder holding one artifact folder per target (env AOTBUILD_ARTIFACTS)"
 
 
 def _warning_line(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> str:
@@ -90,6 +90,7 @@ def targets(targets_dir: Path | None) -> None:
 @click.option("--force", is_flag=True, help="rebuild even when the artifact is fresh")
 @click.option("--allow-numerics-drift", is_flag=True, help="keep a build whose error exceeds its tolerance")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP + "; with --ray, storage every node shares (or give --push)")
 @click.option("--ray", "use_ray", is_flag=True, help="build each target as a Ray task: CPU targets on CPUs, CUDA "
                                                      "targets on one GPU of their gpu.name kind")
@@ -116,6 +117,7 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 
         parse_repo(push_repo)  # a malformed repo fails before any build
     targets = [load_target(name) for name in target_names]
+    _say_where(target_names, artifacts)
     names = [t.name for t in targets]
     if len(set(names)) != len(names):
         raise AotbuildError(f"target {max(names, key=names.count)!r} is named twice")
@@ -170,6 +172,7 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 @click.option("--trust-remote-code", is_flag=True, help="load an hf:// artifact's native code (compiled libraries "
                                                      "run in this process); local folders need no flag")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
@@ -213,6 +216,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         from .targets import load_target
 
         target = load_target(target_name)
+        _say_where((target_name,), artifacts)
         for name, value in (("--height", height), ("--width", width)):
             if value is not None and value % target.stride:
                 raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
@@ -306,6 +310,7 @@ def verify(artifact: str) -> None:
 @click.option("--create-pr", is_flag=True, help="open a pull request instead of committing to the branch")
 @click.option("--dry-run", is_flag=True, help="list the operations of the commit, upload nothing")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
 def push(target_name: str, repo_id: str, revision: str | None, private: bool, create_pr: bool, dry_run: bool,
          artifacts: Path) -> None:
@@ -362,6 +367,7 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, serve_bench: bool, port: int,
           plot_path: Path | None, artifacts: Path) -> None:
@@ -457,6 +463,16 @@ def cache(clear: bool) -> None:
     click.echo(f"{root}: {count} extracted package(s), {_mib(size)}")
     if clear and count:
         click.echo(f"cleared {_mib(clear_package_cache())}")
+
+
+def _say_where(target_names: tuple[str, ...], artifacts: Path) -> None:
+    """Where targets given by name came from and where artifacts go, when not ./targets."""
+    from .targets import targets_dir_note
+
+    note = targets_dir_note() if any(not name.endswith(".toml") and not Path(name).is_file()
+                                     for name in target_names) else None
+    if note:
+        click.echo(f"note: {note}; artifacts in {artifacts.resolve()}", err=True)
 
 
 def _check_artifact_argument(artifact: str) -> None:

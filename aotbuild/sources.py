@@ -87,7 +87,9 @@ def config_set_dir(source: str, base_dir: Path) -> Path:
     """The folder of a `random:NAME` source, looked up under `base_dir/configs/`."""
     folder = base_dir / "configs" / source[len(RANDOM_PREFIX):]
     if not (folder / "model_index.json").is_file():
-        raise SourceError(f"random source {source!r}: no config set at {folder} (model_index.json missing)")
+        raise SourceError(f"random source {source!r}: no config set at {folder} (model_index.json missing)",
+                          hint="random: config sets are looked up in configs/ beside the target file: copy the "
+                               "set there (aotbuild's are in its targets/configs/)")
     return folder
 
 

@@ -138,6 +138,16 @@ def default_targets_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "targets"
 
 
+def targets_dir_note() -> str | None:
+    """Where targets named without a path come from, when it is not ./targets (printed by the
+    commands, so a build run from another folder says which targets it read)."""
+    directory = default_targets_dir()
+    if directory.resolve() == (Path.cwd() / "targets").resolve():
+        return None
+    why = "$AOTBUILD_TARGETS" if os.environ.get("AOTBUILD_TARGETS") else "no ./targets here"
+    return f"targets from {directory} ({why})"
+
+
 def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None) -> Target:
     """Load and validate a target by name (a file in `targets_dir`) or by path to a TOML file.
 
@@ -160,7 +170,9 @@ def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None
         raise TargetError(f"{path}: not valid TOML: {exc}") from None
     target = parse_target(raw, origin=str(path), base_dir=path.parent)
     if target.name != path.stem:
-        raise TargetError(f"{path}: key 'name' is {target.name!r} but the file is named {path.stem!r}")
+        raise TargetError(f"{path}: key 'name' is {target.name!r} but the file is named {path.stem!r}",
+                          hint=f"a target is found by its file name: rename the file to {target.name}.toml or set "
+                               f"name = {path.stem!r}")
     return target
 
 

@@ -205,12 +205,30 @@ def test_commands_print_nothing_the_libraries_say_on_import(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_a_gpu_target_on_a_cpu_machine_says_where_to_build_it(tmp_path):
-    result = CliRunner().invoke(main, ["build", "--target", "h100-sdxl", "--artifacts", str(tmp_path)])
+def test_a_gpu_target_on_a_cpu_machine_says_where_to_build_it(tmp_path, monkeypatch):
+    """Run from another folder: the command says which targets it read and where artifacts go."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["build", "--target", "h100-sdxl"])
+    assert result.output.startswith(f"note: targets from {TARGETS} (no ./targets here); artifacts in "
+                                    f"{tmp_path / 'artifacts'}\n")
     assert result.exit_code == 1 and "error: target h100-sdxl is for cuda, and this machine has no CUDA device" \
         in result.output
     assert "hint: build it on a machine with its GPU (or through Ray" in result.output and "cpu-*" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_copied_target_says_how_it_is_found_and_where_its_configs_are(tmp_path):
+    text = (TARGETS / "cpu-tiny-sdxl.toml").read_text()
+    (tmp_path / "mine.toml").write_text(text)
+    with pytest.raises(TargetError, match=r"no config set at .*configs/tiny-sdxl") as raised:
+        load_target(tmp_path / "mine.toml")
+    assert raised.value.hint.startswith("random: config sets are looked up in configs/ beside the target file")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-sdxl").symlink_to(TARGETS / "configs" / "tiny-sdxl")
+    with pytest.raises(TargetError, match=r"key 'name' is 'cpu-tiny-sdxl' but the file is named 'mine'") as raised:
+        load_target(tmp_path / "mine.toml")
+    assert raised.value.hint == ("a target is found by its file name: rename the file to cpu-tiny-sdxl.toml or set "
+                                 "name = 'mine'")
 
 
 def test_cli_targets_lists_one_line_each():
