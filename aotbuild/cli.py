@@ -326,12 +326,13 @@ def push(target_name: str, repo_id: str, revision: str | None, private: bool, cr
     revision = revision or repo_revision
     result = run_push(artifacts / target.name, repo_id, revision=revision, private=private, create_pr=create_pr,
                       dry_run=dry_run)
-    for operation in result.operations:
+    for operation in [] if result.unchanged else result.operations:
         click.echo(f"  {operation}")
     if dry_run:
         click.echo(f"dry run: {len(result.operations)} operations for {repo_id}/{result.path}, nothing uploaded")
     else:
-        click.echo(f"pushed {result.path} to {repo_id}: {result.pr_url or result.commit_url}")
+        click.echo(f"nothing changed: {repo_id}@{result.commit} already holds {result.path} as it is here"
+                   if result.unchanged else f"pushed {result.path} to {repo_id}: {result.pr_url or result.commit_url}")
 
 
 @main.command()

@@ -169,6 +169,7 @@ class PushResult:
     commit_url: str | None = None
     pr_url: str | None = None
     commit: str | None = None  # the commit's id
+    unchanged: bool = False  # the branch already held exactly this: no commit was made (`commit` is its head)
 
 
 def hub_endpoint() -> str | None:
@@ -243,6 +244,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
     except Exception as exc:  # HTTP errors, the client's connection errors, offline mode, bad repo ids
         raise _hub_error(f"push to {repo_id}", exc) from None
     result.commit_url, result.pr_url, result.commit = info.commit_url, info.pr_url, info.oid
+    result.unchanged = head is not None and info.oid == head  # huggingface_hub skips a commit of no changes
     return result
 
 

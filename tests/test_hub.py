@@ -86,6 +86,11 @@ def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
     card = files["README.md"].decode()
     assert card.startswith("---\nlibrary_name: aotbuild\ntags:") and f"| `{prefix}` |" in card
     assert f'load_pipeline("hf://{REPO}")' in card
+    again = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
+                                      "--artifacts", str(built.artifacts)], catch_exceptions=False)
+    assert again.exit_code == 0 and (f"nothing changed: {REPO}@{commits[-1]['oid']} already holds {prefix} as it is "
+                                     f"here\n") in again.output and "pushed" not in again.output
+    assert len(hub.commits(REPO)) == 2  # no empty commit
 
 
 def test_dry_run_lists_operations_and_uploads_nothing(hub, built):
