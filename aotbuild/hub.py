@@ -184,9 +184,24 @@ def hub_api(token: str | None = None) -> Any:
 
 
 def _hub_error(action: str, exc: Exception) -> HubError:
-    # huggingface_hub messages carry the URL and server message, never the token.
+    """The failure in one line (huggingface_hub's messages carry the URL and the server's message,
+    never the token), with what to check: the token, the repo id, the network."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return HubError(f"{action} failed: {first_line}")
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    kinds = {cls.__name__ for cls in type(exc).__mro__}
+    if status in (401, 403):
+        hint = ("check the token: `hf auth login` or HF_TOKEN (a push needs one that can write to the repo); a "
+                "private or gated repo needs one that can read it")
+    elif status == 404 or "RepositoryNotFoundError" in kinds or "RevisionNotFoundError" in kinds:
+        hint = ("check the repo id and revision for a typo; a private repo also answers 404 without a token that can "
+                "read it")
+    elif kinds & {"ConnectError", "ConnectionError", "ConnectTimeout", "Timeout", "OfflineModeIsEnabled",
+                  "LocalEntryNotFoundError"}:  # the last: neither on the Hub (unreachable) nor in the cache
+        hint = (f"the Hub ({hub_endpoint() or 'huggingface.co'}) cannot be reached from here, or, offline, this is "
+                f"not in the cache: HF_HUB_OFFLINE=1 uses what is cached without trying, HF_ENDPOINT names a mirror")
+    else:
+        hint = None
+    return HubError(f"{action} failed: {first_line}", hint=hint)
 
 
 def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None, private: bool = False,

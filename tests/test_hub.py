@@ -93,6 +93,20 @@ def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
     assert len(hub.commits(REPO)) == 2  # no empty commit
 
 
+def test_hub_failures_say_what_to_check(hub, built):
+    """A token the Hub refuses, a repo that is not there: each one line, with the token or the
+    repo id as what to check (an unreachable Hub: the network and HF_HUB_OFFLINE)."""
+    from aotbuild.hub import push
+
+    hub.token = TOKEN  # the Hub checks tokens: another is refused (401)
+    with pytest.raises(HubError, match=f"push to {REPO} failed") as raised:
+        push(built.folder, REPO, token="hf_notAValidToken")
+    assert raised.value.hint.startswith("check the token: `hf auth login` or HF_TOKEN")
+    assert "hf_notAValidToken" not in str(raised.value)
+    result = CliRunner().invoke(main, ["pull", "aotbuild-test/no-such-repo", "--trust-remote-code"])
+    assert result.exit_code == 1 and "hint: check the repo id and revision for a typo" in result.output
+
+
 def test_dry_run_lists_operations_and_uploads_nothing(hub, built):
     result = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
                                        "--artifacts", str(built.artifacts), "--dry-run"], catch_exceptions=False)
