@@ -267,8 +267,8 @@ def test_killed_build_leaves_previous_artifact(built, tmp_path):
          "--artifacts", str(artifacts), "--force"],
         stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
-    for line in process.stderr:  # kill it mid-compile, after it has written into its staging folder
-        if "[  compile]" in line or time.monotonic() > deadline:
+    for line in process.stderr:  # kill it mid-build (capturing), after it has written into its staging folder
+        if "[  capture]" in line or time.monotonic() > deadline:
             break
     staging_root = artifacts / STAGING_DIRNAME  # inside artifacts/: the final rename never crosses filesystems
     lock = staging_root / f"{built.folder.name}.lock"
