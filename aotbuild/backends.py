@@ -61,10 +61,12 @@ def parse_lora(text: str) -> tuple[str, float]:
         path = text
     local = Path(path).expanduser()
     hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and local.suffix not in LORA_SUFFIXES
-    if not hub_id and not local.exists():
+    if hub_id:
+        return path, weight
+    if not local.exists():
         raise AotbuildError(f"--lora {path}: no such file or folder",
                             hint="give a LoRA file or folder on this machine, or a Hub repo as org/name")
-    return path, weight
+    return str(local), weight  # `~` expanded: diffusers would take the raw text for a Hub id
 
 
 def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:

@@ -71,13 +71,15 @@ def test_another_architecture_names_the_first_difference():
                              torch.float32, None, torch.device("cpu"))
 
 
-def test_parse_lora_and_the_per_call_scale(tmp_path):
+def test_parse_lora_and_the_per_call_scale(tmp_path, monkeypatch):
     ink = tmp_path / "styles" / "ink.safetensors"
     ink.parent.mkdir()
     ink.write_bytes(b"")
     assert parse_lora(str(ink)) == (str(ink), 1.0)
     assert parse_lora(f"{ink}:0.6") == (str(ink), 0.6)
     assert parse_lora("org/lora-repo:1.5") == ("org/lora-repo", 1.5)  # a Hub id: diffusers resolves it
+    monkeypatch.setenv("HOME", str(tmp_path))  # `~` is expanded for diffusers, which would take it for a Hub id
+    assert parse_lora("~/styles/ink.safetensors:0.5") == (str(ink), 0.5)
     with pytest.raises(AotbuildError, match=r"--lora .*ink.safetensors:abc: the adapter weight 'abc' after ':' is "
                                             r"not a number") as raised:
         parse_lora(f"{ink}:abc")
