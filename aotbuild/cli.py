@@ -468,10 +468,9 @@ def cache(clear: bool) -> None:
 
 def _say_where(target_names: tuple[str, ...], artifacts: Path) -> None:
     """Where targets given by name came from and where artifacts go, when not ./targets."""
-    from .targets import targets_dir_note
+    from .targets import is_target_name, targets_dir_note
 
-    note = targets_dir_note() if any(not name.endswith(".toml") and not Path(name).is_file()
-                                     for name in target_names) else None
+    note = targets_dir_note() if any(map(is_target_name, target_names)) else None
     if note:
         click.echo(f"note: {note}; artifacts in {artifacts.resolve()}", err=True)
 

@@ -138,6 +138,11 @@ def default_targets_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "targets"
 
 
+def is_target_name(text: str) -> bool:
+    """Whether `--target TEXT` names a target in the targets folder, rather than a TOML file's path."""
+    return not (text.endswith(".toml") or Path(text).is_file())
+
+
 def targets_dir_note() -> str | None:
     """Where targets named without a path come from, when it is not ./targets (printed by the
     commands, so a build run from another folder says which targets it read)."""
@@ -156,7 +161,7 @@ def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None
     """
     text = os.fspath(name_or_path)
     path = Path(text)
-    if not (text.endswith(".toml") or path.is_file()):
+    if is_target_name(text):
         directory = targets_dir or default_targets_dir()
         path = directory / f"{text}.toml"
         if not path.is_file():

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
-from ..pipelines import TEXT, pipeline_spec
+from ..pipelines import TEXT, frames_around, pipeline_spec
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
@@ -446,7 +446,7 @@ def variant_covers(entry: dict[str, Any], images: int, height: int, width: int, 
     if "dynamic" in entry:
         d = entry["dynamic"]
         in_frames = "frames" not in d or (frames is not None and d["frames"][0] <= frames <= d["frames"][1]
-                                          and (frames - 1) % d["frame_stride"] == 0)
+                                          and frames_around(frames, d["frame_stride"]) is None)
         return in_frames and d["batch"][0] <= images <= d["batch"][1] and all(
             d[axis][0] <= size <= d[axis][1] and size % d["stride"] == 0
             for axis, size in (("height", height), ("width", width)))
