@@ -13,7 +13,17 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError
-from .pipelines import FRAMES, TEXT, UNGUIDED, exact_size, frames_around, frames_step, per_prompt, requires_image
+from .pipelines import (
+    FRAMES,
+    SIZED_BY_IMAGE,
+    TEXT,
+    UNGUIDED,
+    exact_size,
+    frames_around,
+    frames_step,
+    per_prompt,
+    requires_image,
+)
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -187,7 +197,9 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
 
                 pipe = AutoPipelineForImage2Image.from_pipe(pipe)
             pipe.set_progress_bar_config(disable=True)
-        call["image"] = image.resize((width, height)) if height and width else image
+        # Qwen-Image-Edit sizes its call from the image's aspect ratio: resizing it would squash it.
+        sized_by_image = type(pipe).__name__ in SIZED_BY_IMAGE
+        call["image"] = image.resize((width, height)) if height and width and not sized_by_image else image
         call["strength"] = strength
     taken = inspect.signature(type(pipe).__call__).parameters
     step = frames_step(pipe)
@@ -195,7 +207,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         raise AotbuildError(f"{type(pipe).__name__} makes 1 + a multiple of {step} frames (its VAE's temporal "
                             f"compression), not {frames}", hint=f"ask for {around[0]} or {around[1]} frames")
     if image is None and requires_image(type(pipe)):
-        raise AotbuildError(f"{type(pipe).__name__} makes a video from an image: give one (--image)")
+        made = "a video from it" if frames_step(pipe) > 1 else "an edit of it"
+        raise AotbuildError(f"{type(pipe).__name__} needs an image: give one (--image), it makes {made}")
     if image is not None and height and width and "strength" not in taken:
         call |= exact_size(type(pipe), height, width, editing=True)  # Flux Kontext edits the image
     refused = [name for name, value in call.items() if value is not None and name not in taken]

@@ -46,6 +46,7 @@ from .manifest import (
 )
 from .pipelines import (
     KEPT_MODULES,
+    SIZED_BY_IMAGE,
     TEXT,
     UNCURATED,
     UNGUIDED,
@@ -745,6 +746,9 @@ def _variant_dims(component: str, plan: VariantPlan, reference: dict,
         sizes = {probe: (batches[0], *size[1:]) for probe, size in sizes.items()}
         sizes["batch"] = (batches[plan.points.index(f"{prefix}:base:unguided")], *sizes["base"][1:])
     dims = shapes.classify(probes, corners, sizes, plan.ranges["stride"])
+    if TEXT in plan.ranges:
+        texts = {probe: points[f"{prefix}:{probe}"].text for probe in (*probes, *corners)}
+        dims = shapes.with_text_offsets(dims, probes | corners, texts)
     return shapes.in_call_batches(dims), call_batch
 
 
@@ -1111,9 +1115,10 @@ def _default_pixels(pipe: Any, spec: PipelineSpec, target: Target) -> dict[str, 
 
 def _call_default_pixels(pipe: Any) -> int | None:
     """The square size a pipeline's call defaults to in its signature (AuraFlow's 1024; Flux
-    Kontext scales every size to the area `max_area`, 1024 x 1024 by default), if any."""
+    Kontext scales every size to the area `max_area`, 1024 x 1024 by default; Qwen-Image-Edit
+    makes the edited image's aspect ratio at its area, `SIZED_BY_IMAGE`), if any."""
     parameters = inspect.signature(type(pipe).__call__).parameters
-    area = parameters["max_area"].default if "max_area" in parameters else None
+    area = parameters["max_area"].default if "max_area" in parameters else SIZED_BY_IMAGE.get(type(pipe).__name__)
     if isinstance(area, int) and math.isqrt(area) ** 2 == area:
         return math.isqrt(area)
     sizes = {parameters[a].default for a in ("height", "width") if a in parameters}

@@ -113,11 +113,15 @@ CAPTURE_STEPS = (1, 2, 4, 8, 16)
 
 
 def capture_prompt(text: int | None) -> str:
-    """The prompt captures use: at a text length, longer than it (each word is a token or more),
-    so that the prompt fills `max_sequence_length` tokens also where the pipeline hands the
-    denoiser only the prompt's real tokens (Qwen-Image, Z-Image): the text length captured is
-    then `text` for every pipeline, padded or trimmed."""
-    return PROMPT if text is None else " ".join([PROMPT] * (text // len(PROMPT.split()) + 1))
+    """The prompt captures use: at a text length, `text` words, each a token or more, so that the
+    prompt fills `max_sequence_length` tokens also where the pipeline hands the denoiser only the
+    prompt's real tokens (Qwen-Image, Z-Image: trimmed to `text`), and where it trims nothing
+    (Qwen-Image-Edit: the prompt's tokens follow the edited image's) the sequence moves one token
+    per word, so that its offset from the text length is found."""
+    if text is None:
+        return PROMPT
+    words = PROMPT.split()
+    return " ".join((words * (text // len(words) + 1))[:text])
 
 
 @contextlib.contextmanager

@@ -155,9 +155,10 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
                                                       "1 with --image)")
 @click.option("--frames", type=click.IntRange(1), help="a video's frames (default: the target's first bucket's)")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="img2img: start from this image, or edit it (Flux Kontext), or make a video from it (Wan's "
-                   "image-to-video); resized to the height and width (needs the artifact's vae_encoder, where the "
-                   "VAE is compiled)")
+              help="img2img: start from this image, or edit it (Flux Kontext, FLUX.2, Qwen-Image-Edit), or make a "
+                   "video from it (Wan's image-to-video); resized to the height and width (Qwen-Image-Edit: not "
+                   "resized, the pipeline sizes its call from its aspect ratio; needs the artifact's vae_encoder, "
+                   "where the VAE is compiled)")
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
@@ -249,7 +250,11 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         click.echo(f"note: the {'video' if video else 'image'}s were not saved: give --output FILE."
                    f"{'mp4' if video else 'png'}", err=True)
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
-    mode = (" image-to-video" if video else " img2img") if image else ""
+    import inspect
+
+    taken = inspect.signature(type(pipe).__call__).parameters  # an image without strength: an edit (Kontext...)
+    edits = "image" in taken and "strength" not in taken
+    mode = (" image-to-video" if video else " edit" if edits else " img2img") if image else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")
@@ -500,15 +505,18 @@ def _check_made(recorded: dict[str, Any], frames: int | None, output: Path | Non
 
 def _dim_text(dim: Any) -> str:
     """A dim of a variant's signature: 4, 2*B, H/8, (F-1)/4+1 (a video's latent frames),
-    T[16..256] (image tokens), L[128..512] (text)."""
+    T[16..256] (image tokens), L[128..512] (text), L[2..500]+205 (text after 205 other tokens)."""
     from .pipelines import TEXT
 
     if isinstance(dim, int):
         return str(dim)
     if dim["axis"] == "batch":
         return "B" if dim["factor"] == 1 else f"{dim['factor']}*B"
-    if dim["axis"] in ("tokens", TEXT):
-        return f"{'T' if dim['axis'] == 'tokens' else 'L'}[{dim['min']}..{dim['max']}]"
+    if dim["axis"] == "tokens":
+        return f"T[{dim['min']}..{dim['max']}]"
+    if dim["axis"] == TEXT:
+        offset = dim.get("offset", 0)
+        return f"L[{dim['min'] - offset}..{dim['max'] - offset}]" + (f"+{offset}" if offset else "")
     if dim["axis"] == "frames":
         return f"(F-1)/{dim['per']}+1"
     return f"{dim['axis'][0].upper()}/{dim['pixels']}"

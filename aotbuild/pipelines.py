@@ -401,9 +401,17 @@ def _lcm_stride(stride: Callable[[dict[str, dict]], int], multiple: int, configs
     return math.lcm(stride(configs), multiple)
 
 
+# Pipelines that size their call from the image they edit: its aspect ratio at this area, for the
+# image the transformer reads and for the output when the call gives no size. Their signature
+# defaults the image to None, yet they cannot run without one.
+SIZED_BY_IMAGE = {"QwenImageEditPipeline": 1024 * 1024, "QwenImageEditPlusPipeline": 1024 * 1024}
+
+
 def requires_image(cls: type) -> bool:
     """Whether a pipeline's call cannot run without an image (Wan's image-to-video: the video starts
-    from it, resized to the call's size)."""
+    from it, resized to the call's size; Qwen-Image-Edit's edit)."""
+    if cls.__name__ in SIZED_BY_IMAGE:
+        return True
     parameter = inspect.signature(cls.__call__).parameters.get("image")
     return parameter is not None and parameter.default is inspect.Parameter.empty
 

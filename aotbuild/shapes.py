@@ -112,6 +112,25 @@ def classify(probes: dict[str, list[list[int]]], corners: dict[str, list[list[in
     return result
 
 
+def with_text_offsets(dims: list[list[Any]], shapes: dict[str, list[list[int]]],
+                      texts: dict[str, int]) -> list[list[Any]]:
+    """`dims` with {"offset": c} on each text dim that is the text length plus c tokens at every
+    point captured (`shapes` and `texts`: each point's leaf shapes and text length), so that the
+    runtime names a call's text length, not its sequence's: Qwen-Image-Edit's prompt tokens follow
+    the edited image's and its chat template's. A dim that is the text length has none."""
+    result = []
+    for leaf, leaf_dims in enumerate(dims):
+        marked = []
+        for d, dim in enumerate(leaf_dims):
+            if isinstance(dim, dict) and dim["axis"] == TEXT:
+                offsets = {shapes[p][leaf][d] - text for p, text in texts.items()}
+                if len(offsets) == 1 and (offset := offsets.pop()):
+                    dim = {**dim, "offset": offset}
+            marked.append(dim)
+        result.append(marked)
+    return result
+
+
 def _proportional(value: int, moved_value: int, points: dict, index: int, axis: str, stride: int) -> dict:
     base, moved = points["base"][index], points[axis][index]
     if axis == "batch":

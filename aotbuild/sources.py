@@ -208,9 +208,33 @@ def _random_component(cls: type, folder: Path, seed: int) -> Any:
                 return cls._from_config(cls.config_class.from_pretrained(folder))
             if hasattr(cls, "from_config") and hasattr(cls, "load_config"):  # diffusers model or scheduler
                 return cls.from_config(cls.load_config(folder))
-            return cls.from_pretrained(folder)  # tokenizers and other weight-less components
+            return _weightless(cls, folder)
     finally:
         _random_init_seconds += time.perf_counter() - start
+
+
+def _weightless(cls: type, folder: Path) -> Any:
+    """A config set's tokenizer, scheduler or processor, from its files. A processor with a video
+    part (Qwen2-VL's, Qwen-Image-Edit's) needs torchvision for it even when fed images only; where
+    torchvision is not installed, the config set's processor is its image part (PIL backend) and its
+    tokenizer, which is all an image pipeline calls."""
+    if not cls.__module__.startswith("transformers"):
+        return cls.from_pretrained(folder)
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.processing_utils import ProcessorMixin
+    from transformers.utils import is_torchvision_available
+
+    video = issubclass(cls, ProcessorMixin) and "video_processor" in cls.get_attributes()
+    if not video or is_torchvision_available():
+        return cls.from_pretrained(folder)
+    images_only = type(cls.__name__, (cls,), {"check_argument_for_proper_class": _check_present_parts})
+    return images_only(image_processor=AutoImageProcessor.from_pretrained(folder, backend="pil"),
+                       tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None)
+
+
+def _check_present_parts(processor: Any, name: str, part: Any) -> Any:
+    # transformers checks each part's class; without torchvision the video class cannot be imported.
+    return None if part is None else type(processor).__mro__[1].check_argument_for_proper_class(processor, name, part)
 
 
 def load_components(

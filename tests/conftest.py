@@ -73,7 +73,7 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
 PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-ltx", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
-              "cpu-tiny-z-image", "cpu-tiny-flux-kontext", "cpu-tiny-wan",
+              "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-flux-kontext", "cpu-tiny-wan",
               "cpu-tiny-wan-regional"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",

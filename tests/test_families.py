@@ -1,8 +1,8 @@
 """Pipelines aotbuild has no entry for, built by capture (`pipelines.derived_spec`): PixArt-Sigma,
 AuraFlow, Chroma, Flux.2 Klein (Qwen3 text encoder, its own VAE eager), FLUX.2 [dev] (Mistral 3
 text encoder, embedded guidance), Z-Image (its transformer
-takes a list per image and the prompt's real token count) and Qwen-Image (the real token count,
-true CFG), each compiled against
+takes a list per image and the prompt's real token count), Qwen-Image (the real token count,
+true CFG) and Qwen-Image-Edit (the edited image's tokens before the prompt's), each compiled against
 eager with the same seeds at every bucket and across its dynamic range (text lengths included),
 guided and not, with the default call and LoRAs; what is not curated is said in the manifest, by
 `inspect` and at load; and the shape relations export assumed are checked."""
@@ -357,6 +357,38 @@ def test_qwen_image_serves_prompts_as_written_and_true_cfg(qwen_image):
     with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 8 \(max_sequence_length=8\) in "
                                                      r"this call; compiled: 16-500, 512"):
         run_prompt(compiled, fox * 40, height=64, width=64, max_sequence_length=8)
+
+
+def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_their_terms(tmp_path_factory):
+    """QwenImageEditPipeline (Qwen2.5-VL reads the image to edit; no torchvision here: the config
+    set's processor is its image part and tokenizer): the edited image, resized to ~1 MP, adds its
+    tokens to the output's, and the prompt's real tokens follow the image's in the text sequence,
+    so the text range is recorded with that offset and one dynamic model serves prompts as
+    written, guided by true CFG and not, == eager. An image of another aspect ratio, the default
+    (1 MP) output and a text shorter than the range are refused in the call's terms."""
+    target, built, compiled, eager = loaded(tmp_path_factory, "cpu-tiny-qwen-image-edit")
+    inputs = built.manifest["components"]["transformer"]["variants"][1]["inputs"]
+    text = next(i["dims"][1] for i in inputs if i["path"] == "encoder_hidden_states")
+    assert text["axis"] == "max_sequence_length" and text["offset"] > 100  # the template's and the image's tokens
+    latents = next(i["dims"] for i in inputs if i["path"] == "hidden_states")
+    assert latents == [1, 4 + 1024, 16]  # the output's 2x2 patches, then the image's, resized to 1024x1024 px
+    square, fox = seeded_image(64, 64), "a red fox in the snow "
+    for prompt, call in [("a fox", {}), (fox * 40, {}), (fox, {"true_cfg_scale": 4.0, "negative_prompt": "blurry"})]:
+        call = {"image": square, "height": 64, "width": 64, **call}
+        got = run_prompt(compiled, prompt, **call)
+        np.testing.assert_allclose(got, run_prompt(eager, prompt, **call), atol=ATOL, rtol=0)
+        assert compiled.transformer.last_variant == "dynamic"
+    with pytest.raises(ShapeNotSupportedError, match=r"img_shapes .* is \(1, 2, 2\), \(1, 23, 45\) in this call "
+                                                     r"\(QwenImageEditPipeline\(height=64, width=64\)\), compiled "
+                                                     r"\(1, 2, 2\), \(1, 32, 32\).* resizes the image to edit to "
+                                                     r"~1024x1024 px at its own aspect ratio"):
+        run_prompt(compiled, fox, image=seeded_image(64, 128), height=64, width=64)
+    with pytest.raises(ShapeNotSupportedError, match=r"is \(1, 32, 32\), \(1, 32, 32\) in this call "
+                                                     r"\(QwenImageEditPipeline\(height=1024, width=1024\)\)"):
+        run_prompt(compiled, fox, image=square)
+    with pytest.raises(ShapeNotSupportedError, match=r"text length 1 \(the prompt's tokens; max_sequence_length=512\) "
+                                                     r"in this call; compiled: 2-500, 512"):
+        run_prompt(compiled, "a", image=square, height=64, width=64)
 
 
 @pytest.mark.parametrize(("name", "img2img", "call"), [

@@ -296,7 +296,7 @@ def test_image_to_video_matches_eager_from_any_image_size(tmp_path_factory, tmp_
     assert result.exit_code == 0, result.output
     assert "image-to-video" in result.output and "1 video(s) of 9 frames" in result.output
     result = CliRunner().invoke(main, command)
-    assert result.exit_code == 1 and "WanImageToVideoPipeline makes a video from an image: give one (--image)" \
+    assert result.exit_code == 1 and "WanImageToVideoPipeline needs an image: give one (--image), it makes a video from it" \
         in result.output
     result = CliRunner().invoke(main, ["serve", "--artifact", str(built.folder)])  # refused before Ray starts
     assert result.exit_code == 1 and "WanImageToVideoPipeline makes a video from an image, and aotbuild serve " \

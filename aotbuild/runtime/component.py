@@ -6,6 +6,7 @@ import collections
 import contextlib
 import importlib
 import inspect
+import math
 import re
 import sys
 import warnings
@@ -19,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
-from ..pipelines import TEXT, frames_around, pipeline_spec
+from ..pipelines import SIZED_BY_IMAGE, TEXT, frames_around, pipeline_spec
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
@@ -475,6 +476,43 @@ COVER_HINT = ("cover this call in the target (a [[shapes]] bucket, or a wider [d
 CALL_SETS = {"rope_interpolation_scale": "frame_rate"}  # LTX-Video: VAE temporal compression / frame_rate
 
 
+# Inputs that are sizes as Python values, constants of the compiled model: Qwen-Image's
+# transformer takes each image's (frames, height, width) in latent patches as a list.
+SIZE_CONSTANTS = {"img_shapes": "(each image's frames, height and width in latent patches: the output's, then each "
+                                 "edited image's)"}
+
+
+def _sizes_not_compiled(component: str, head: str, given: dict[str, Any], expected: dict[str, dict],
+                        variants: list[CompiledVariant]) -> str:
+    """A size input the compiled code holds as constants, in the call's terms: the sizes asked for
+    and compiled, per image of the first prompt."""
+
+    def per_image(values: dict[str, Any]) -> str:
+        images: dict[str, list[str]] = {}
+        for path, value in values.items():
+            parts = path.split(".")
+            if parts[0] == head and len(parts) == 4 and parts[1] == "0":
+                images.setdefault(parts[2], []).append(str(value))
+        return ", ".join(f"({', '.join(v)})" for v in images.values())
+
+    call = pipeline_call()
+    asked = ""
+    if call is not None:
+        size = ", ".join(f"{k}={call[1][k]!r}" for k in ("height", "width") if call[1].get(k) is not None)
+        asked = f" ({call[0]}({size}))"
+    resized = ""
+    if call is not None and call[0] in SIZED_BY_IMAGE:
+        side = math.isqrt(SIZED_BY_IMAGE[call[0]])
+        resized = (f"; {call[0]} resizes the image to edit to ~{side}x{side} px at its own aspect ratio, and an "
+                   f"artifact edits images of its buckets' aspect ratios (a bucket's height x width is captured "
+                   f"editing an image of that size)")
+    covered = "; ".join(variant_coverage(v.entry) for v in variants)
+    return (f"{component}: this call's image sizes are not compiled: {head} {SIZE_CONSTANTS[head]} is "
+            f"{per_image({p: x for p, x in given.items()})} in this call{asked}, compiled "
+            f"{per_image({p: e.get('value') for p, e in expected.items()})}: sizes the compiled model holds as "
+            f"constants{resized}; this artifact covers: {covered}")
+
+
 def unsupported_call(component: str, variants: list[CompiledVariant], args: tuple, kwargs: dict) -> str:
     """Why no variant takes this call, in the user's terms: an input the compiled code was not
     traced with (named, with the diffusers feature that adds it), or a size or guidance outside
@@ -495,6 +533,8 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
         shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
         traced = spec.get("value", "a tensor")
         if shown != traced and not (shown == "a tensor" and "value" not in spec):
+            if path.split(".")[0] in SIZE_CONSTANTS:
+                return _sizes_not_compiled(component, path.split(".")[0], given, expected, variants)
             argument = CALL_SETS.get(path.split(".")[0])
             if argument and (call := pipeline_call()) and call[1].get(argument) is not None:
                 return (f"{component}: {call[0]}'s {argument}={call[1][argument]!r} sets {_input_name(path)} to "
@@ -542,13 +582,14 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
 def _text_length(variants: list[CompiledVariant], args: tuple, kwargs: dict) -> int | None:
     """The text length the denoiser is given in this call: the size of an input dim that follows
     the text alone (the padded `max_sequence_length`, or the prompt's real token count where the
-    pipeline trims it: Qwen-Image, Z-Image)."""
+    pipeline trims it: Qwen-Image, Z-Image), less the tokens before the prompt's in that sequence
+    (Qwen-Image-Edit's edited image)."""
     for variant in variants:
         leaves = variant.flatten(args, kwargs)
         for (_, leaf), expected in zip(leaves or (), variant.inputs, strict=True):
             for d, dim in enumerate(expected.get("dims", ())):
                 if isinstance(dim, dict) and dim["axis"] == TEXT and isinstance(leaf, torch.Tensor):
-                    return leaf.shape[d]
+                    return leaf.shape[d] - dim.get("offset", 0)
     return None
 
 
