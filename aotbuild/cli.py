@@ -447,9 +447,9 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
         from .pipelines import requires_image
 
         if requires_image(getattr(diffusers, target["pipeline"])):
-            raise AotbuildError(f"{target['pipeline']} makes a video from an image, and aotbuild serve takes text "
-                                f"requests only", hint="serve a text-to-video artifact; aotbuild run --image makes "
-                                                       "this one's videos")
+            raise AotbuildError(f"{target['pipeline']} needs an image, and aotbuild serve takes text requests only",
+                                hint="serve a text-to-image or text-to-video artifact; aotbuild run --image makes "
+                                     "this one's images or videos")
         if target["device"] == "cuda":
             gpus = 1 if gpus is None else gpus
             gpu_type = gpu_type or target["gpu"]["name"]

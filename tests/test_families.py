@@ -364,8 +364,9 @@ def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_th
     set's processor is its image part and tokenizer): the edited image, resized to ~1 MP, adds its
     tokens to the output's, and the prompt's real tokens follow the image's in the text sequence,
     so the text range is recorded with that offset and one dynamic model serves prompts as
-    written, guided by true CFG and not, == eager. An image of another aspect ratio, the default
-    (1 MP) output and a text shorter than the range are refused in the call's terms."""
+    written, guided by true CFG and not, == eager, and so does Qwen-Image-Edit-2509/2511's pipeline
+    through from_pipe. An image of another aspect ratio, two images, the default (1 MP) output and
+    a text shorter than the range are refused in the call's terms."""
     target, built, compiled, eager = loaded(tmp_path_factory, "cpu-tiny-qwen-image-edit")
     inputs = built.manifest["components"]["transformer"]["variants"][1]["inputs"]
     text = next(i["dims"][1] for i in inputs if i["path"] == "encoder_hidden_states")
@@ -389,6 +390,15 @@ def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_th
     with pytest.raises(ShapeNotSupportedError, match=r"text length 1 \(the prompt's tokens; max_sequence_length=512\) "
                                                      r"in this call; compiled: 2-500, 512"):
         run_prompt(compiled, "a", image=square, height=64, width=64)
+    # Qwen-Image-Edit-2509/2511's pipeline (the same models; the text encoder sees the image at
+    # 384x384 px, a list of images edited together) through from_pipe: one image as eager, two refused.
+    plus, plus_eager = (diffusers.QwenImageEditPlusPipeline.from_pipe(p) for p in (compiled, eager))
+    call = {"image": [square], "height": 64, "width": 64, "true_cfg_scale": 4.0, "negative_prompt": "blurry"}
+    np.testing.assert_allclose(run_prompt(plus, fox, **call), run_prompt(plus_eager, fox, **call), atol=ATOL, rtol=0)
+    with pytest.raises(ShapeNotSupportedError, match=r"is \(1, 2, 2\), \(1, 32, 32\), \(1, 32, 32\) in this call "
+                                                     r"\(QwenImageEditPlusPipeline\(height=64, width=64\)\), compiled "
+                                                     r"\(1, 2, 2\), \(1, 32, 32\).* edits one image per call"):
+        run_prompt(plus, fox, image=[square, square], height=64, width=64)
 
 
 @pytest.mark.parametrize(("name", "img2img", "call"), [

@@ -504,8 +504,8 @@ def _sizes_not_compiled(component: str, head: str, given: dict[str, Any], expect
     if call is not None and call[0] in SIZED_BY_IMAGE:
         side = math.isqrt(SIZED_BY_IMAGE[call[0]])
         resized = (f"; {call[0]} resizes the image to edit to ~{side}x{side} px at its own aspect ratio, and an "
-                   f"artifact edits images of its buckets' aspect ratios (a bucket's height x width is captured "
-                   f"editing an image of that size)")
+                   f"artifact edits one image per call, of its buckets' aspect ratios (a bucket's height x width is "
+                   f"captured editing an image of that size)")
     covered = "; ".join(variant_coverage(v.entry) for v in variants)
     return (f"{component}: this call's image sizes are not compiled: {head} {SIZE_CONSTANTS[head]} is "
             f"{per_image({p: x for p, x in given.items()})} in this call{asked}, compiled "
@@ -525,6 +525,8 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
         spec = expected.get(path)
         if spec is None:
             head = path.split(".")[0]
+            if head in SIZE_CONSTANTS and value is not None:  # more images than compiled (Qwen-Image-Edit-2509's)
+                return _sizes_not_compiled(component, head, given, expected, variants)
             if head not in heads:  # a whole argument the traced call did not have (a list: its first item)
                 return f"{head!r} is not an input of the compiled {component}{_feature(head)}"
             if value is not None:
