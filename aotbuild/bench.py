@@ -126,6 +126,8 @@ def format_table(document: dict[str, Any], ratios: tuple[str, ...] = DEFAULT_RAT
     width = 26
     lines = [f"{'figure':<26}" + "".join(f" {c:>{width - 1}}" for c in cases)]
     for figure in document["figures"]:
+        if all(document["summary"][case][figure]["median"] is None for case in cases):
+            continue  # measured by no case run (build_s without a regional build)
         row = f"{figure:<26}"
         for case in cases:
             s = document["summary"][case][figure]
@@ -136,6 +138,8 @@ def format_table(document: dict[str, Any], ratios: tuple[str, ...] = DEFAULT_RAT
     if "ratio_to_aot" in document:
         lines.append("ratio to aot (median of per-repetition ratios)")
         for figure in ratios:
+            if all(document["ratio_to_aot"][case][figure] is None for case in cases):
+                continue
             row = f"  {figure:<24}"
             for case in cases:
                 r = document["ratio_to_aot"][case][figure]
@@ -183,19 +187,49 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
             builds[case] = _run_build(case, target_path, artifacts_dir)
     folder = built_artifact(target, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
+    meta = {"target": target.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
+            "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    started, seconds = time.perf_counter(), {case: 0.0 for case in cases}  # each case's worker time so far
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:
         for rep in range(repeats):
             mega_cache = Path(work) / f"mega-cache-{rep}.bin"
             for case in cases:
                 if progress:
-                    progress(f"repetition {rep + 1}/{repeats}: {case}")
+                    progress(f"repetition {rep + 1}/{repeats}: {case}{_eta(started, seconds, rep, case, repeats)}")
+                start = time.perf_counter()
                 figures = _run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work))
+                seconds[case] += time.perf_counter() - start
                 runs[case].append({**figures, "build_s": builds.get(case)})
-    meta = {"target": target.name, "steps": steps, "steady_runs": steady, "repeats": repeats,
-            "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    document = report(runs, environment(target.device), meta)
-    (folder / BENCH_NAME).write_text(json.dumps(document, indent=2) + "\n")
+            # Each repetition ends written: an interrupted bench keeps what it measured.
+            meta["repeats_done"] = rep + 1
+            document = report(runs, environment(target.device), meta)
+            write_document(folder / BENCH_NAME, document)
     return document
+
+
+def _eta(started: float, seconds: dict[str, float], rep: int, case: str, repeats: int) -> str:
+    """' (elapsed 4m10s, ~8m02s left)' before `case` of repetition `rep` runs: the time left is each
+    case's mean so far times its runs to go (only elapsed during the first repetition)."""
+    elapsed = f" (elapsed {_minutes(time.perf_counter() - started)}"
+    if rep == 0:
+        return elapsed + ")"
+    cases = list(seconds)
+    here = cases.index(case)
+    done = {c: rep + (i < here) for i, c in enumerate(cases)}  # runs each case has finished
+    to_go = {c: repeats - done[c] for c in cases}
+    left = sum(seconds[c] / done[c] * to_go[c] for c in cases)
+    return f"{elapsed}, ~{_minutes(left)} left)"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def write_document(path: Path, document: dict[str, Any]) -> None:
+    """bench.json, replaced whole (a reader never sees half of it)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(document, indent=2) + "\n")
+    partial.replace(path)
 
 
 def plot(document: dict[str, Any], path: Path) -> None:

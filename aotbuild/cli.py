@@ -282,7 +282,7 @@ def inspect(artifact: str, as_json: bool) -> None:
     from .manifest import read_manifest
     from .runtime import artifact_folder
 
-    folder, found = artifact_folder(artifact)
+    folder, found = artifact_folder(artifact, manifest_only=True)
     manifest = read_manifest(folder)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
@@ -335,6 +335,9 @@ def push(target_name: str, repo_id: str, revision: str | None, private: bool, cr
         click.echo(f"  {operation}")
     if dry_run:
         click.echo(f"dry run: {len(result.operations)} operations for {repo_id}/{result.path}, nothing uploaded")
+        if result.unreachable:
+            click.echo(f"note: the Hub cannot be reached ({result.unreachable}): listed as for a new repo; a push "
+                       f"merges index.json with the variants the repo already holds", err=True)
     else:
         click.echo(f"nothing changed: {repo_id}@{result.commit} already holds {result.path} as it is here"
                    if result.unchanged else f"pushed {result.path} to {repo_id}: {result.pr_url or result.commit_url}")
@@ -368,6 +371,8 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
                               "aot-tiling (the first bucket decoded whole and by tiles), aot-regional (the target "
                               "built with [compile] mode = \"regional\"; both builds are timed afresh first); with "
                               "--serve: backends (default: aot,eager,compile)")
+@click.option("--quick", is_flag=True, help="a first look in a few minutes: eager and aot only (unless --cases), "
+                                            "1 repetition, 2 steps, 1 steady image (an option given as well wins)")
 @click.option("--serve", "serve_bench", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
                                                         "image, per backend; writes serve-bench.json")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
@@ -375,11 +380,21 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
-def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, serve_bench: bool, port: int,
-          plot_path: Path | None, artifacts: Path) -> None:
-    """Cold start, steady state and memory of each backend, side by side; writes bench.json."""
+def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, quick: bool, serve_bench: bool,
+          port: int, plot_path: Path | None, artifacts: Path) -> None:
+    """Cold start, steady state and memory of each backend, side by side; writes bench.json after
+    each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
+    target, most of it torch.compile; --quick is a first look."""
     from .bench import BENCH_NAME, CASES, DEFAULT_RATIOS, REGIONAL_CASE, REGIONAL_RATIOS, format_table, plot, run_bench
     from .targets import load_target
+
+    if quick:  # what the user gave explicitly still holds
+        given = {name for name in ("repeats", "steps", "steady", "cases")
+                 if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+        repeats = repeats if "repeats" in given else 1
+        steps = steps if "steps" in given else 2
+        steady = steady if "steady" in given else 1
+        cases = cases if "cases" in given else "eager,aot"
 
     target = load_target(target_name)
     progress = lambda msg: click.echo(f"[bench] {msg}", err=True)  # noqa: E731

@@ -59,15 +59,42 @@ def check_trusted(artifact: str | os.PathLike, trust_remote_code: bool) -> None:
 
 
 def file_at_commit(repo_id: str, revision: str | None, filename: str, cache_dir: str | os.PathLike | None = None,
-                   ) -> tuple[str, Path]:
+                   local_files_only: bool = False) -> tuple[str, Path]:
     """(the commit `revision` names now, the repo's root file `filename` downloaded at it): the
     one resolution a load makes, everything else is then fetched at that commit. Offline
-    (HF_HUB_OFFLINE=1), the commit the cache last resolved the revision to. huggingface_hub's
-    exceptions go to the caller."""
+    (HF_HUB_OFFLINE=1, or `local_files_only`), the commit the cache last resolved the revision to.
+    huggingface_hub's exceptions go to the caller."""
     from huggingface_hub import hf_hub_download
 
-    path = Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, endpoint=hub_endpoint()))
+    path = Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir, endpoint=hub_endpoint(),
+                                local_files_only=local_files_only))
     return path.parent.name, path  # .../snapshots/<commit>/<filename>
+
+
+# How long a connection to the Hub may take before it counts as unreachable: huggingface_hub
+# retries an unreachable Hub for ~25 s before it looks in the cache.
+PROBE_SECONDS = 3.0
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached from here (its name does not resolve, its port refuses or does
+    not answer within PROBE_SECONDS), or None: it can be, or HF_HUB_OFFLINE is set (huggingface_hub
+    then asks nothing), or a proxy is configured (the proxy decides what is reachable)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in proxies):
+        return None
+    url = urlsplit(hub_endpoint() or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=PROBE_SECONDS):
+            return None
+    except OSError as exc:
+        return f"{url.hostname}:{port}: {exc.strerror or type(exc).__name__}"
 
 
 def commit_of(repo_id: str, revision: str | None, filename: str) -> str:
@@ -170,6 +197,7 @@ class PushResult:
     pr_url: str | None = None
     commit: str | None = None  # the commit's id
     unchanged: bool = False  # the branch already held exactly this: no commit was made (`commit` is its head)
+    unreachable: str | None = None  # a dry run's: why the Hub could not be asked what it holds
 
 
 def hub_endpoint() -> str | None:
@@ -204,6 +232,15 @@ def _hub_error(action: str, exc: Exception) -> HubError:
     return HubError(f"{action} failed: {first_line}", hint=hint)
 
 
+def _fetch_error(repo_id: str, revision: str | None, unreachable: str | None, exc: Exception) -> HubError:
+    if unreachable is None:
+        return _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc)
+    return HubError(f"fetching {repo_id}@{revision or 'main'} failed: the Hub cannot be reached from here "
+                    f"({unreachable}) and the cache holds no copy of it",
+                    hint="check the network, or HF_ENDPOINT for a mirror; once fetched, a variant loads from the cache "
+                         "with no network (HF_HUB_OFFLINE=1 skips trying)")
+
+
 def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None, private: bool = False,
          create_pr: bool = False, dry_run: bool = False, token: str | None = None) -> PushResult:
     """Upload one artifact folder as one variant, with index.json and README.md, in one commit.
@@ -230,8 +267,10 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
             api.create_repo(repo_id, private=private, exist_ok=True)
             if revision:
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
+        offline = hub_unreachable() if dry_run else None  # a dry run lists the commit as for a new repo
         for attempt in range(1, PUSH_ATTEMPTS + 1):
-            head, remote, index = _remote_state(api, repo_id, revision, dry_run)
+            head, remote, index = (None, [], {"variants": []}) if offline else _remote_state(api, repo_id, revision,
+                                                                                             dry_run)
             index["variants"] = sorted([v for v in index["variants"] if v["path"] != path]
                                        + [index_entry(path, manifest, bench)], key=lambda v: v["path"])
             operations: list[Any] = [CommitOperationAdd(f"{path}/{rel}", str(folder / rel)) for rel in local]
@@ -241,7 +280,7 @@ def push(folder: str | os.PathLike, repo_id: str, *, revision: str | None = None
                 CommitOperationAdd(INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode()),
                 CommitOperationAdd(CARD_NAME, model_card(repo_id, index).encode()),
             ]
-            result = PushResult(repo_id, path, [_describe(op) for op in operations])
+            result = PushResult(repo_id, path, [_describe(op) for op in operations], unreachable=offline)
             if dry_run:
                 return result
             try:
@@ -364,11 +403,13 @@ def choose_variant(index: dict[str, Any], *, device: str, dtype: str | None = No
 
 
 def resolve(spec: str, *, variant: str | None = None, device: str | None = None, dtype: str | None = None,
-            pipeline: str | None = None, cache_dir: str | os.PathLike | None = None, verify: bool = True) -> Resolved:
-    """Download the fitting variant of `org/name[@revision]` (only its files) at the one commit
-    the revision resolves to, and return its folder. Works offline (HF_HUB_OFFLINE=1) from the
-    cache. `verify` hashes every file before returning (`aotbuild pull`); loading checks the files
-    itself (`runtime.open_artifact_files`)."""
+            pipeline: str | None = None, cache_dir: str | os.PathLike | None = None, verify: bool = True,
+            manifest_only: bool = False) -> Resolved:
+    """Download the fitting variant of `org/name[@revision]` (only its files; `manifest_only`: its
+    manifest alone, for `inspect`) at the one commit the revision resolves to, and return its
+    folder. Offline (HF_HUB_OFFLINE=1, or a Hub that cannot be reached) it comes from the cache.
+    `verify` hashes every file before returning (`aotbuild pull`); loading checks the files itself
+    (`runtime.open_artifact_files`)."""
     import torch
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -376,24 +417,27 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
     repo_id, revision = parse_repo(spec)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     endpoint = hub_endpoint()
+    unreachable = hub_unreachable()  # then the cache, at once, instead of retrying the network
+    wanted = [f"{{}}/{MANIFEST_NAME}"] if manifest_only else ["{}/*", "{}/**"]
     try:
         # The revision is resolved once: the index and the variant's files come from that one commit,
         # even when a push lands on the branch meanwhile.
-        commit, index_file = file_at_commit(repo_id, revision, INDEX_NAME, cache_dir)
+        commit, index_file = file_at_commit(repo_id, revision, INDEX_NAME, cache_dir, unreachable is not None)
         entry = choose_variant(_read_index(index_file), device=device, dtype=dtype, variant=variant,
                                pipeline=pipeline)
         _check_variant_path(repo_id, entry.get("path"))
         snapshot = Path(snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, endpoint=endpoint,
-                                          allow_patterns=[f"{entry['path']}/*", f"{entry['path']}/**"]))
+                                          allow_patterns=[w.format(entry["path"]) for w in wanted],
+                                          local_files_only=unreachable is not None))
     except AotbuildError:
         raise
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:  # HTTP, network, bad repo id
-        raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
+        raise _fetch_error(repo_id, revision, unreachable, exc) from None
     except Exception as exc:  # the HTTP client's own connection errors
-        raise _hub_error(f"fetching {repo_id}@{revision or 'main'}", exc) from None
+        raise _fetch_error(repo_id, revision, unreachable, exc) from None
     folder = snapshot / entry["path"]
     manifest = read_manifest(folder)  # refuses file paths outside the variant's folder
-    if verify:
+    if verify and not manifest_only:
         try:
             verify_files(folder, manifest)
         except CorruptArtifactError as exc:

@@ -16,6 +16,11 @@ delete_branch, preupload, commit, lfs_batch, lfs_upload, lfs_verify, resolve. No
 (sleeping 1 s, 2 s, ...) on preupload, lfs_* and tree, so a one-shot 500 there only slows it down (a failed resolve HEAD
 is retried once too, when the file is not cached); commit, create_repo, create_branch and repo_info are not retried.
 Unknown routes answer 404 and are recorded too.
+
+To try push -> pull -> run with no account and no network, run it from the checkout (it prints
+the variables to export; its repos live in memory until Ctrl-C):
+
+    python -m tests.hubserver [--port 8765]
 """
 
 from __future__ import annotations
@@ -554,3 +559,31 @@ class FakeHub:
             out["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
             return 206, out, data[start : end + 1]
         return 200, out, data
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until interrupted, printing what a shell needs to point huggingface_hub at it."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m tests.hubserver", description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default: 8765; 0: any free one)")
+    port = parser.parse_args(argv).port
+    try:
+        hub = FakeHub(port=port).start()
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on 127.0.0.1:{port}: {exc.strerror}; pick another --port") from None
+    print(f"a local Hub at {hub.url} (in memory, any token). In another shell:\n"
+          f"  export HF_ENDPOINT={hub.url} HF_TOKEN=hf_local HF_HUB_DISABLE_XET=1\n"
+          f"  aotbuild push --target cpu-tiny-sdxl --repo me/tiny-sdxl\n"
+          f"  aotbuild run --artifact hf://me/tiny-sdxl --trust-remote-code --prompt 'a red fox' --output fox.png\n"
+          f"Ctrl-C stops it (its repos are lost).", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        hub.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from aotbuild.bench import CASES, FIGURES, format_table, ratios_to_aot, report, summarize
+from aotbuild.bench import CASES, FIGURES, _eta, format_table, ratios_to_aot, report, summarize
 from aotbuild.cli import main
 from aotbuild.runtime import extracted_package
 from aotbuild.targets import load_target
@@ -41,7 +41,9 @@ def test_report_and_table_format():
     assert document["summary"]["eager"]["first_step_s"]["median"] == pytest.approx(4.2)
     lines = format_table(document).splitlines()
     assert lines[0].split() == ["figure", "eager", "aot"]
-    assert lines[1].split()[:2] == ["ready_s", "-"]
+    assert [line.split()[0] for line in lines[1:3]] == ["first_step_s", "steady_step_s"]  # no row of dashes
+    half = report({"eager": [{"ready_s": 1.0}], "aot": [{}]}, {}, {}, {"ready_s": "x", "first_step_s": "x"})
+    assert format_table(half, ()).splitlines()[1].split() == ["ready_s", "1", "-"]  # a figure one case measured
     row = next(line for line in lines if line.startswith("first_step_s"))
     assert row.split() == ["first_step_s", "4.2", "[4,", "4.4]", "3.2", "[2,", "4.4]"]
     wide = report({"aot": [{"first_step_s": -4.06e-05}, {"first_step_s": -5.1e-05}, {"first_step_s": -3e-05}]},
@@ -67,6 +69,29 @@ def test_package_cache_is_safe_under_concurrent_extraction(built, tmp_path, monk
     assert len(set(results)) == 1 and results[0].name == sha
     assert [p.name for p in (tmp_path / "packages").iterdir()] == [sha]  # no partial folders left
     assert list(results[0].glob("*/data/aotinductor/b1_64x64/*.so"))
+
+
+def test_progress_says_the_time_left_from_each_cases_mean(monkeypatch):
+    monkeypatch.setattr("aotbuild.bench.time.perf_counter", lambda: 250.0)
+    assert _eta(0.0, {"eager": 20.0, "compile": 0.0, "aot": 0.0}, 0, "compile", 3) == " (elapsed 4m10s)"
+    # Before repetition 2's compile (eager has run twice, the others once; means 20, 200, 10 s):
+    # compile and aot left in it, then a whole repetition: 210 + 230 s.
+    seconds = {"eager": 40.0, "compile": 200.0, "aot": 10.0}
+    assert _eta(0.0, seconds, 1, "compile", 3) == " (elapsed 4m10s, ~7m20s left)"
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_each_repetition_as_it_ends(built, tmp_path):
+    artifacts = tmp_path / "artifacts"  # bench.json goes into the artifact: use a copy
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts",
+                                       str(artifacts), "--quick"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "[bench] repetition 1/1: eager (elapsed 0m" in result.output
+    document = json.loads((artifacts / built.folder.name / "bench.json").read_text())
+    assert list(document["runs"]) == ["eager", "aot"] and document["meta"]["repeats_done"] == 1
+    assert document["meta"]["steps"] == 2 and document["meta"]["steady_runs"] == 1
+    assert "build_s" not in result.output  # no row of dashes for what no case measured
 
 
 @pytest.mark.slow

@@ -90,6 +90,14 @@ def test_the_default_call_works_as_shipped(pipes):
     got = run(compiled)
     np.testing.assert_allclose(got, run(eager, height=served, width=served), atol=ATOL, rtol=0)
     assert got.shape[1:3] == (served, served)
+    # The img2img sibling from_pipe makes keeps that default (diffusers' Flux resets it to 256).
+    import diffusers
+
+    image = picture(served, seed=2)
+    compiled, eager = (diffusers.AutoPipelineForImage2Image.from_pipe(p) for p in (compiled, eager))
+    got = run(compiled, image=image, strength=0.6, num_inference_steps=4)
+    want = run(eager, image=image, strength=0.6, num_inference_steps=4, height=served, width=served)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
 
 
 def test_img2img_and_inpainting_share_the_compiled_models(pipes):

@@ -115,6 +115,43 @@ def test_dry_run_lists_operations_and_uploads_nothing(hub, built):
     assert not [r for r in hub.requests if r["method"] in ("PUT", "POST") and "/commit/" in r["path"]]
 
 
+def test_the_documented_local_hub_serves_a_push_pull_run_round_trip(built, tmp_path):
+    """`python -m tests.hubserver` as the Hub guide runs it: the variables it prints make push,
+    then run from hf://, work with no account and no network."""
+    server = subprocess.Popen([sys.executable, "-m", "tests.hubserver", "--port", "0"], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE)
+    try:
+        url = re.search(r"a local Hub at (http://127\.0\.0\.1:\d+)", server.stdout.readline())[1]
+        exports = server.stdout.readline()
+        env = dict(re.findall(r"(HF_\w+)=(\S+)", exports))
+        assert env == {"HF_ENDPOINT": url, "HF_TOKEN": "hf_local", "HF_HUB_DISABLE_XET": "1"}
+        pushed = run_cli("push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", "me/tiny-sdxl",
+                         "--artifacts", str(built.artifacts), env=env)
+        assert pushed.returncode == 0 and "pushed cpu-tiny-sdxl/" in pushed.stdout, pushed.stderr
+        ran = run_cli("run", "--artifact", "hf://me/tiny-sdxl", "--trust-remote-code", "--prompt", "a red fox",
+                      "--steps", "2", "--output", str(tmp_path / "fox.png"), env=env)
+        assert ran.returncode == 0 and (tmp_path / "fox.png").is_file(), ran.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_inspect_fetches_the_manifest_alone_and_a_dry_run_needs_no_hub(hub, built):
+    push(built.folder, REPO)
+    hub.requests.clear()
+    result = CliRunner().invoke(main, ["inspect", f"hf://{REPO}"], catch_exceptions=False)
+    assert result.exit_code == 0 and f"hub        {REPO}@" in result.output, result.output
+    fetched = {r["path"].rsplit("/", 1)[1] for r in hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]}
+    assert fetched == {"index.json", "manifest.json"}
+    hub.stop()
+    result = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
+                                       "--artifacts", str(built.artifacts), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert f"add cpu-tiny-sdxl/{HERE}/unet.pt2" in result.output and "dry run: " in result.output
+    assert "note: the Hub cannot be reached (127.0.0.1:" in result.output
+    assert "listed as for a new repo" in result.output
+
+
 def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target):
     from .conftest import generate
 
@@ -142,6 +179,17 @@ def test_pull_in_a_fresh_process_then_offline_from_cache(hub, built, tiny_target
     offline = run_cli("pull", REPO, "--trust-remote-code", env={"HF_HUB_OFFLINE": "1"})
     assert offline.returncode == 0, offline.stderr
     assert TOKEN not in pulled.stdout + pulled.stderr + offline.stdout + offline.stderr
+    # The Hub gone without HF_HUB_OFFLINE: the cache at once (no retries of the network), and a repo
+    # never fetched fails saying so, with what to check.
+    unreachable = run_cli("pull", REPO, "--trust-remote-code")
+    assert unreachable.returncode == 0 and unreachable.stdout == pulled.stdout, unreachable.stderr
+    never = run_cli("pull", "aotbuild-test/never-fetched", "--trust-remote-code")
+    port = hub.url.rsplit(":", 1)[1]
+    assert never.returncode == 1 and never.stderr.splitlines() == [
+        f"error: fetching aotbuild-test/never-fetched@main failed: the Hub cannot be reached from here (127.0.0.1:"
+        f"{port}: Connection refused) and the cache holds no copy of it",
+        "hint: check the network, or HF_ENDPOINT for a mirror; once fetched, a variant loads from the cache with no "
+        "network (HF_HUB_OFFLINE=1 skips trying)"]
 
 
 def test_right_variant_chosen_among_two_and_none_matching(hub, built, tmp_path):

@@ -224,15 +224,16 @@ def _default_size_of(pipe: Any, manifest: dict[str, Any]) -> None:
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
                     pipeline: str | None = None, verify: bool = False, variant: str | None = None,
-                    ) -> tuple[Path, Any]:
+                    manifest_only: bool = False) -> tuple[Path, Any]:
     """(local folder, `hub.Resolved` or None for a local folder). `hf://org/name[@revision]` is
     resolved to one commit, then to the variant fitting this machine (and `pipeline`, and
-    `variant`: a target name or a variant path) in the HF cache, downloading only that variant;
-    `verify` hashes its every file (loading checks them its own way)."""
+    `variant`: a target name or a variant path) in the HF cache, downloading only that variant
+    (`manifest_only`: its manifest); `verify` hashes its every file (loading checks them its own way)."""
     if isinstance(artifact, str) and artifact.startswith("hf://"):
         from ..hub import resolve
 
-        resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify, variant=variant)
+        resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify, variant=variant,
+                           manifest_only=manifest_only)
         return resolved.folder, resolved
     folder = Path(artifact)
     if not folder.exists():
