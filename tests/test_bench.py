@@ -81,20 +81,6 @@ def test_progress_says_the_time_left_from_each_cases_mean(monkeypatch):
 
 
 @pytest.mark.slow
-def test_quick_bench_writes_each_repetition_as_it_ends(built, tmp_path):
-    artifacts = tmp_path / "artifacts"  # bench.json goes into the artifact: use a copy
-    shutil.copytree(built.folder, artifacts / built.folder.name)
-    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts",
-                                       str(artifacts), "--quick"], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    assert "[bench] repetition 1/1: eager (elapsed 0m" in result.output
-    document = json.loads((artifacts / built.folder.name / "bench.json").read_text())
-    assert list(document["runs"]) == ["eager", "aot"] and document["meta"]["repeats_done"] == 1
-    assert document["meta"]["steps"] == 2 and document["meta"]["steady_runs"] == 1
-    assert "build_s" not in result.output  # no row of dashes for what no case measured
-
-
-@pytest.mark.slow
 def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
     # LTX-Video: the cheapest target to torch.compile twice (its VAE runs eager), and a video: its bucket's
     # frames and text length are the call's. The cases are the same for all.
@@ -103,12 +89,15 @@ def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
     artifacts = tmp_path / "artifacts"  # bench.json goes into the artifact: use a copy
     shutil.copytree(folder, artifacts / folder.name)
     plot = tmp_path / "bench.png"
-    result = CliRunner().invoke(main, [
+    result = CliRunner().invoke(main, [  # --quick: 1 repetition of 2 steps, 1 steady image; its cases given
         "bench", "--target", str(TARGETS / "cpu-tiny-ltx.toml"), "--artifacts", str(artifacts),
-        "--repeats", "1", "--steps", "2", "--steady", "1", "--plot", str(plot)], catch_exceptions=False)
+        "--quick", "--cases", ",".join(CASES), "--plot", str(plot)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    document = json.loads((artifacts / folder.name / "bench.json").read_text())
-    assert list(document["runs"]) == list(CASES)
+    assert "[bench] repetition 1/1: eager (elapsed 0m" in result.output
+    document = json.loads((artifacts / folder.name / "bench.json").read_text())  # written as the repetition ended
+    assert list(document["runs"]) == list(CASES) and document["meta"]["repeats_done"] == 1
+    assert (document["meta"]["steps"], document["meta"]["steady_runs"]) == (2, 1)
+    assert "build_s" not in result.output  # no row of dashes for what no case measured
     for case in CASES:
         run = document["runs"][case][0]
         assert set(run) == set(FIGURES)
