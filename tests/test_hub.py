@@ -142,7 +142,8 @@ def test_inspect_fetches_the_manifest_alone_and_a_dry_run_needs_no_hub(hub, buil
     result = CliRunner().invoke(main, ["inspect", f"hf://{REPO}"], catch_exceptions=False)
     assert result.exit_code == 0 and f"hub        {REPO}@" in result.output, result.output
     fetched = {r["path"].rsplit("/", 1)[1] for r in hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]}
-    assert fetched == {"index.json", "manifest.json"}
+    assert "manifest.json" in fetched and fetched <= {"index.json", "manifest.json"}  # no weights, no package
+    # (index.json's content may be cached already: the client then only asks whether it moved)
     hub.stop()
     result = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
                                        "--artifacts", str(built.artifacts), "--dry-run"])
