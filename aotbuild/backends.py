@@ -18,6 +18,7 @@ from .pipelines import (
     SIZED_BY_IMAGE,
     TEXT,
     UNGUIDED,
+    edits_image,
     exact_size,
     frames_around,
     frames_step,
@@ -209,7 +210,7 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     if image is None and requires_image(type(pipe)):
         made = "a video from it" if frames_step(pipe) > 1 else "an edit of it"
         raise AotbuildError(f"{type(pipe).__name__} needs an image: give one (--image), it makes {made}")
-    if image is not None and height and width and "strength" not in taken:
+    if image is not None and height and width and edits_image(type(pipe)):
         call |= exact_size(type(pipe), height, width, editing=True)  # Flux Kontext edits the image
     refused = [name for name, value in call.items() if value is not None and name not in taken]
     if refused:

@@ -250,11 +250,9 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         click.echo(f"note: the {'video' if video else 'image'}s were not saved: give --output FILE."
                    f"{'mp4' if video else 'png'}", err=True)
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
-    import inspect
+    from .pipelines import edits_image
 
-    taken = inspect.signature(type(pipe).__call__).parameters  # an image without strength: an edit (Kontext...)
-    edits = "image" in taken and "strength" not in taken
-    mode = (" image-to-video" if video else " edit" if edits else " img2img") if image else ""
+    mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else " img2img") if image else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")

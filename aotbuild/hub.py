@@ -412,7 +412,6 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
     (`runtime.open_artifact_files`)."""
     import torch
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo_id, revision = parse_repo(spec)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -431,9 +430,7 @@ def resolve(spec: str, *, variant: str | None = None, device: str | None = None,
                                           local_files_only=unreachable is not None))
     except AotbuildError:
         raise
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:  # HTTP, network, bad repo id
-        raise _fetch_error(repo_id, revision, unreachable, exc) from None
-    except Exception as exc:  # the HTTP client's own connection errors
+    except Exception as exc:  # HTTP, network (the HTTP client's own errors too), a bad repo id
         raise _fetch_error(repo_id, revision, unreachable, exc) from None
     folder = snapshot / entry["path"]
     manifest = read_manifest(folder)  # refuses file paths outside the variant's folder

@@ -416,6 +416,13 @@ def requires_image(cls: type) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
+def edits_image(cls: type) -> bool:
+    """Whether a pipeline's call edits the image it takes (Flux Kontext, FLUX.2, Qwen-Image-Edit,
+    Wan's image-to-video) rather than starting img2img from it: an image and no `strength`."""
+    parameters = inspect.signature(cls.__call__).parameters
+    return "image" in parameters and "strength" not in parameters
+
+
 def _image_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     """The image a pipeline that requires one is captured with: seeded, at the call's size."""
     return {"image": seeded_image(height, width)}

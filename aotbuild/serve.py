@@ -438,7 +438,7 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
     from ray import serve
 
     from .backends import BACKENDS, built_artifact, call_defaults
-    from .bench import drop_page_cache, report
+    from .bench import drop_page_cache, report, write_document
     from .cluster import ray_session
     from .manifest import environment
     from .targets import load_target
@@ -481,7 +481,7 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
     meta = {"target": target.name, "steps": steps, "repeats": repeats, "call": call,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     document = report(runs, environment(target.device), meta, SERVE_BENCH_FIGURES)
-    (folder / SERVE_BENCH_NAME).write_text(json.dumps(document, indent=2) + "\n")
+    write_document(folder / SERVE_BENCH_NAME, document)
     return document
 
 

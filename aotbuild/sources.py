@@ -234,7 +234,9 @@ def _weightless(cls: type, folder: Path) -> Any:
 
 def _check_present_parts(processor: Any, name: str, part: Any) -> Any:
     # transformers checks each part's class; without torchvision the video class cannot be imported.
-    return None if part is None else type(processor).__mro__[1].check_argument_for_proper_class(processor, name, part)
+    from transformers.processing_utils import ProcessorMixin
+
+    return None if part is None else ProcessorMixin.check_argument_for_proper_class(processor, name, part)
 
 
 def load_components(

@@ -496,10 +496,7 @@ def _sizes_not_compiled(component: str, head: str, given: dict[str, Any], expect
         return ", ".join(f"({', '.join(v)})" for v in images.values())
 
     call = pipeline_call()
-    asked = ""
-    if call is not None:
-        size = ", ".join(f"{k}={call[1][k]!r}" for k in ("height", "width") if call[1].get(k) is not None)
-        asked = f" ({call[0]}({size}))"
+    asked = "" if call is None else f" ({_call_text(call, ('height', 'width'))})"
     resized = ""
     if call is not None and call[0] in SIZED_BY_IMAGE:
         side = math.isqrt(SIZED_BY_IMAGE[call[0]])
@@ -557,7 +554,7 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
     asked = ""
     if call is not None:
         name, values = call
-        asked = f" ({name}({', '.join(f'{k}={v!r}' for k, v in values.items() if v is not None)}))"
+        asked = f" ({_call_text(call)})"
         cap, text = values.get(TEXT), _text_length(variants, args, kwargs)
         lengths = [text_lengths(v.entry) for v in variants]
         if text is not None and all(r is not None and not r[0] <= text <= r[1] for r in lengths):
@@ -620,6 +617,14 @@ def _input_name(path: str) -> str:
 def _feature(path: str) -> str:
     feature = FEATURE_INPUTS.get(path) or FEATURE_INPUTS.get(path.split(".")[0])
     return f" ({feature} is not compiled)" if feature else ""
+
+
+def _call_text(call: tuple[str, dict[str, Any]], names: tuple[str, ...] | None = None) -> str:
+    """`Pipeline(height=64, width=64, ...)`: a `pipeline_call()`'s arguments that were given
+    (`names`: only these)."""
+    name, values = call
+    shown = ", ".join(f"{k}={v!r}" for k, v in values.items() if v is not None and (names is None or k in names))
+    return f"{name}({shown})"
 
 
 def pipeline_call() -> tuple[str, dict[str, Any]] | None:
