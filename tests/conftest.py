@@ -73,12 +73,11 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
 PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-ltx", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
-              "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-flux-kontext", "cpu-tiny-wan",
-              "cpu-tiny-wan-regional"),
+              "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-flux-kontext"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",
-              "cpu-tiny-wan-i2v", "cpu-tiny-cogvideox"))
+              "cpu-tiny-wan-i2v", "cpu-tiny-cogvideox", "cpu-tiny-wan", "cpu-tiny-wan-regional"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 
