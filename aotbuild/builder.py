@@ -45,6 +45,8 @@ from .manifest import (
     write_manifest,
 )
 from .pipelines import (
+    COMPILED_VAES,
+    FRAMEWISE_VAES,
     KEPT_MODULES,
     SIZED_BY_IMAGE,
     TEXT,
@@ -57,6 +59,7 @@ from .pipelines import (
     frames_step,
     pipeline_spec,
     plain_attribute,
+    resized_image,
     vae_factor,
 )
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
@@ -478,6 +481,7 @@ class CapturePoint:
     text: int | None = None  # the call's max_sequence_length (None: the pipeline takes none)
     image: tuple[int, int] | None = None  # the size of the image an editing call takes
     frames: int | None = None  # a video's frame count (None: an image pipeline)
+    resized: tuple[int, int] | None = None  # the size a SIZED_BY_IMAGE pipeline encodes its image at
 
     def __str__(self) -> str:
         size = f"{self.batch}x{self.height}x{self.width}"
@@ -495,7 +499,7 @@ class CapturePoint:
     @property
     def encoded(self) -> tuple[int, int]:
         """The pixel size the VAE encoder sees: the edited image's, else the point's."""
-        return self.image or (self.height, self.width)
+        return self.image or self.resized or (self.height, self.width)
 
 
 @dataclass(frozen=True)
@@ -534,23 +538,25 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
     for bucket in target.shapes:
         name = variant_name(bucket)
         bucket = dataclasses.replace(bucket, max_sequence_length=bucket.max_sequence_length or text)
+        resized = resized_image(target.pipeline, bucket.height, bucket.width)
         for guided in modes:
             for images in sorted({bucket.batch, 1}, reverse=True):
                 suffix = ("" if images == bucket.batch else ":one") + ("" if guided == modes[0] else ":unguided")
                 points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided,
                                                      text=bucket.max_sequence_length, image=bucket.image,
-                                                     frames=bucket.frames)
+                                                     frames=bucket.frames, resized=resized)
         for s in specs:
             served = [p for p in points if p.split(":")[0] == name
                       and (s.denoiser or points[p].guided == modes[0])]
             # The text does not reach the VAE; its encoder encodes the edited image, its decoder the output.
             untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None)
-            if s.part == "encoder" and bucket.image:
-                untexted = dataclasses.replace(untexted, height=bucket.image[0], width=bucket.image[1])
+            encoded = bucket.image or resized
+            if s.part == "encoder" and encoded:
+                untexted = dataclasses.replace(untexted, height=encoded[0], width=encoded[1])
             if s.denoiser:
                 plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
             elif all(plan.bucket != untexted for plan in plans[s.name]):
-                named = variant_name(untexted) if bucket.image else name
+                named = variant_name(untexted) if encoded else name
                 plans[s.name].append(VariantPlan(named, "bucket", tuple(served), bucket=untexted))
     if target.dynamic:
         ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
@@ -558,7 +564,9 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
         for probe, size in shapes.range_points(ranges, target.stride, frame_stride).items():
             at = dict(zip(axes, size, strict=True))
             points[f"dynamic:{probe}"] = CapturePoint(at["batch"], at["height"], at["width"], modes[0],
-                                                      text=at.get(TEXT), frames=at.get(shapes.FRAME_AXIS))
+                                                      text=at.get(TEXT), frames=at.get(shapes.FRAME_AXIS),
+                                                      resized=resized_image(target.pipeline, at["height"],
+                                                                            at["width"]))
         both = len(modes) > 1
         unguided = ("dynamic:min:unguided",)
         if both:
@@ -569,6 +577,8 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
         for s in specs:
             served = ("dynamic:base", "dynamic:min", "dynamic:max", *(unguided if both and s.denoiser else ()))
             reached = ranges if s.denoiser else {a: r for a, r in ranges.items() if a != TEXT}
+            if not s.denoiser and _within_a_bucket(s, [points[p] for p in served], plans[s.name]):
+                continue  # a range of text lengths alone: the VAE sees one size
             video = {"frame_stride": frame_stride} if shapes.FRAME_AXIS in ranges else {}
             plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
                                              ranges={**reached, "stride": target.stride, **video}))
@@ -583,10 +593,24 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
     return points, plans
 
 
+def _within_a_bucket(spec: ComponentSpec, served: list[CapturePoint], plans: list[VariantPlan]) -> bool:
+    """Whether the calls a dynamic model of a VAE part would serve are all of one size that one of
+    its bucket plans serves (a target whose range is of text lengths alone: the text does not
+    reach the VAE)."""
+    sizes = {(*(p.encoded if spec.part == "encoder" else (p.height, p.width)), p.frames) for p in served}
+    batch = max(p.batch for p in served)
+    return len(sizes) == 1 and any(plan.bucket is not None and batch <= plan.bucket.batch and sizes ==
+                                   {(plan.bucket.height, plan.bucket.width, plan.bucket.frames)} for plan in plans)
+
+
 def _tile_ranges(spec: ComponentSpec, vae: Any, stride: int, largest: int) -> dict[str, Any]:
     """The tiles diffusers' tiled encode/decode cuts from images whose sides are multiples of
     `stride` px: full tiles and the remainders at the edges, all multiples of the step between
     tiles and the stride (pixels, batch in images)."""
+    if type(vae).__name__ in FRAMEWISE_VAES:
+        raise BuildError(f"{spec.name}: tiling = true: {type(vae).__name__}'s tiles are not built by aotbuild (its "
+                         f"tiled encode and decode cut tiles of their own sizes)",
+                         hint=f"remove tiling from {spec.name} in [components]: images decode whole")
     factor = vae_factor(vae.config)
     if spec.part == "decoder":  # tiles are cut from latents
         tile = vae.tile_latent_min_size
@@ -684,8 +708,8 @@ def _eager_vae(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dic
     if "vae_decoder" in spec.components:
         reason = "the target's [components] lists no vae_decoder"
     else:
-        reason = (f"{type(vae).__name__} is not an AutoencoderKL, the VAE whose decoder and encoder aotbuild "
-                  f"compiles")
+        reason = (f"{type(vae).__name__} is not one of the VAEs whose decoder and encoder aotbuild compiles "
+                  f"({', '.join(COMPILED_VAES)})")
     denoisers = {s.name: (getattr(pipe, s.attribute), s.method) for s in specs if s.denoiser}  # Wan 2.2: two
     return {"class": type(vae).__name__, "reason": reason, "timed": {"decode": (vae, "decode"), **denoisers}}
 

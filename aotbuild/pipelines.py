@@ -38,6 +38,13 @@ UNGUIDED = 0.0
 # FLUX.2 normalizes its latents with its VAE's BatchNorm running statistics (`vae.bn`). Their
 # tensors are stored and bound with the part's weights, and the stand-in exposes them.
 KEPT_MODULES = ("bn",)
+# The VAEs whose decoder and encoder aotbuild compiles: AutoencoderKL's code (FLUX.2's is the same),
+# and the frame-wise causal VAEs for one frame. Those (Qwen-Image's) encode and decode a video frame
+# by frame, each call with caches of the frames before; an image is one frame, whose caches are
+# empty, and then the parts are the plain modules (diffusers' first-frame call and the part called
+# without caches agree bit for bit), compiled on inputs of one frame: (batch, channels, 1, h, w).
+FRAMEWISE_VAES = ("AutoencoderKLQwenImage",)
+COMPILED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2", *FRAMEWISE_VAES)
 
 
 class VaeDecoderModule(torch.nn.Module):
@@ -89,21 +96,31 @@ def _first_tensor(args: tuple, kwargs: dict) -> CallInputs:
 
 
 def vae_factor(config: Mapping[str, Any]) -> int:
-    """Pixels per latent pixel of a VAE config: it downsamples once per block but the last."""
+    """Pixels per latent pixel of a VAE config: AutoencoderKL downsamples once per block but the
+    last; Qwen-Image's and Wan's VAEs once per entry of `temperal_downsample` (spatially each time)."""
+    if "temperal_downsample" in config:
+        return 2 ** len(config["temperal_downsample"])
     return 2 ** (len(config["block_out_channels"]) - 1)
+
+
+def _one_frame(vae: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+    """The VAE's input layout: a frame axis of one for the frame-wise causal VAEs (FRAMEWISE_VAES)."""
+    return tensor.unsqueeze(2) if type(vae).__name__ in FRAMEWISE_VAES else tensor
 
 
 def _random_latents(vae: torch.nn.Module, batch: int, height: int, width: int,
                     generator: torch.Generator) -> CallInputs:
     factor = vae_factor(vae.config)
-    shape = (batch, vae.config.latent_channels, height // factor, width // factor)
-    return (torch.randn(shape, generator=generator),), {}
+    channels = vae.config.get("latent_channels") or vae.config["z_dim"]  # Qwen-Image's names it z_dim
+    latents = torch.randn((batch, channels, height // factor, width // factor), generator=generator)
+    return (_one_frame(vae, latents),), {}
 
 
 def _random_images(vae: torch.nn.Module, batch: int, height: int, width: int,
                    generator: torch.Generator) -> CallInputs:
     # Pixels in [-1, 1], as the pipelines' image processors hand them to the encoder.
-    return (torch.rand((batch, vae.config.in_channels, height, width), generator=generator) * 2 - 1,), {}
+    channels = vae.config.get("in_channels") or vae.config["input_channels"]
+    return (_one_frame(vae, torch.rand((batch, channels, height, width), generator=generator) * 2 - 1),), {}
 
 
 @dataclass(frozen=True)
@@ -350,7 +367,7 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     """A spec for a diffusers pipeline class without an entry, from the model classes its
     `__init__` names: the `transformer` or `unet` as the denoiser (called as the pipeline calls
     it, `return_dict=False` pinned where it takes one), the `vae`'s decoder and encoder when it is
-    an `AutoencoderKL` (or FLUX.2's, the same code). What the pipeline passes and how shapes and
+    one aotbuild compiles (`COMPILED_VAES`). What the pipeline passes and how shapes and
     guidance batches follow the call are found by capture, as for every pipeline. None: not such
     a class."""
     import diffusers
@@ -373,7 +390,7 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
         components[f"{attribute}_2"] = dataclasses.replace(components[attribute], name=f"{attribute}_2",
                                                            attribute=f"{attribute}_2",
                                                            read_attributes=_attributes_read(cls, f"{attribute}_2"))
-    if issubclass(types.get("vae", type(None)), (diffusers.AutoencoderKL, diffusers.AutoencoderKLFlux2)):
+    if issubclass(types.get("vae", type(None)), tuple(getattr(diffusers, name) for name in COMPILED_VAES)):
         components |= {"vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER}
     packed = hasattr(cls, "_pack_latents")  # 2x2 latent patches per token, packed by the pipeline
     stride = _unet_pixel_stride if attribute == "unet" else functools.partial(_derived_stride, packed)
@@ -405,6 +422,21 @@ def _lcm_stride(stride: Callable[[dict[str, dict]], int], multiple: int, configs
 # image the transformer reads and for the output when the call gives no size. Their signature
 # defaults the image to None, yet they cannot run without one.
 SIZED_BY_IMAGE = {"QwenImageEditPipeline": 1024 * 1024, "QwenImageEditPlusPipeline": 1024 * 1024}
+
+
+def resized_image(class_name: str, height: int, width: int) -> tuple[int, int] | None:
+    """(height, width) px a `SIZED_BY_IMAGE` pipeline resizes an image of this aspect ratio to, by
+    its own module's `calculate_dimensions`, for its VAE encoder (None: another pipeline)."""
+    import sys
+
+    import diffusers
+
+    area = SIZED_BY_IMAGE.get(class_name)
+    if area is None:
+        return None
+    module = sys.modules[getattr(diffusers, class_name).__module__]
+    resized_width, resized_height = module.calculate_dimensions(area, width / height)[:2]
+    return resized_height, resized_width
 
 
 def requires_image(cls: type) -> bool:
@@ -496,10 +528,8 @@ def _derived_stride(packed: bool, configs: dict[str, dict]) -> int:
         factor = vae["scale_factor_spatial"]
     elif "spatio_temporal_scaling" in vae:  # LTX-Video's VAE patches, then halves per scaling block
         factor = vae.get("spatial_compression_ratio") or vae["patch_size"] * 2 ** sum(vae["spatio_temporal_scaling"])
-    elif "block_out_channels" in vae:
+    elif "block_out_channels" in vae or "temperal_downsample" in vae:
         factor = _vae_factor(configs)
-    elif "temperal_downsample" in vae:  # Qwen-Image's and Wan's VAEs: 2 per (spatial) downsample
-        factor = 2 ** len(vae["temperal_downsample"])
     else:  # the common 8; a size the pipeline cannot take fails its capture, naming the size
         factor = 8
     return factor * (2 if packed else patch)

@@ -71,7 +71,7 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # the session: a build is one Python thread or one g++ at a time, so two cores build two targets.
 # Each list is in the order the tests first need them; `build_once` waits on a target's build
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
-PREBUILDS = (("cpu-tiny-sdxl", "cpu-tiny-ltx", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
+PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-flux-kontext"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
@@ -150,6 +150,13 @@ class _Builder(threading.Thread):
 _SAID: list[str] = []  # what the builders say, printed between tests (output is captured during them)
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """Tests marked `early` first (in their order): they build artifacts of their own, so they keep
+    this process busy while the background builders make the targets the others wait for, instead
+    of running alone on one of the two cores after the builders are done."""
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)
+
+
 def pytest_runtest_logreport(report) -> None:
     reporter = _SESSION.get("reporter")
     while _SAID and reporter is not None:
@@ -158,11 +165,13 @@ def pytest_runtest_logreport(report) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _prebuilt(request, tmp_path_factory):
-    """Start the background builders when the session runs slow tests (they build the targets)."""
+    """Start the background builders when the session runs slow tests (they build the targets);
+    AOTBUILD_TEST_PREBUILD=0 leaves them off (a few tests, each building what it needs)."""
     artifacts = _artifacts(tmp_path_factory)
     _SESSION["reporter"] = request.config.pluginmanager.get_plugin("terminalreporter")
     builders = []
-    if any(item.get_closest_marker("slow") for item in request.session.items):
+    if os.environ.get("AOTBUILD_TEST_PREBUILD") != "0" and any(item.get_closest_marker("slow")
+                                                                for item in request.session.items):
         _SAID.append(f"[prebuild] building {sum(map(len, PREBUILDS))} tiny targets in {len(PREBUILDS)} background "
                      f"builders (logs: {_SESSION['logs']}); the first tests wait for the targets they need")
         builders = [_Builder(names, artifacts, _SESSION["logs"], _SAID.append) for names in PREBUILDS]

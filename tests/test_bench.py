@@ -81,6 +81,7 @@ def test_progress_says_the_time_left_from_each_cases_mean(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.early  # tiny LTX-Video: the first target built
 def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
     # LTX-Video: the cheapest target to torch.compile twice (its VAE runs eager), and a video: its bucket's
     # frames and text length are the call's. The cases are the same for all.

@@ -21,7 +21,7 @@ import torch
 
 import aotbuild
 from aotbuild.builder import build
-from aotbuild.errors import BuildError, ShapeNotSupportedError
+from aotbuild.errors import AotbuildError, BuildError, ShapeNotSupportedError, UnsupportedCallError
 from aotbuild.pipelines import UNCURATED, seeded_image
 from aotbuild.runtime.load import UncuratedPipelineWarning
 from aotbuild.targets import ShapeBucket, load_target
@@ -168,6 +168,7 @@ def test_chroma_img2img_through_from_pipe(chroma):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.early
 def test_a_size_export_fixed_fails_the_build_naming_the_call(tmp_path):
     """ChromaTransformer2DModel makes torch.tensor([0] * batch): export turns it into a constant
     of the example's batch while calling the batch dynamic. A bucket of 2 images (one model for 1
@@ -281,6 +282,7 @@ def test_z_image_refusals_name_the_prompts_tokens_and_the_branch_export_took(z_i
         run_prompt(compiled, "a red fox in the snow " * 8, height=48, width=80, guidance_scale=0.0)
 
 
+@pytest.mark.early
 def test_guided_and_unguided_calls_of_other_structures_fail_the_build_naming_them(tmp_path):
     """Z-Image passes its transformer a list with an entry per image and guidance branch: one model
     cannot take its guided and unguided calls, and a target asking for both fails before export,
@@ -294,6 +296,7 @@ def test_guided_and_unguided_calls_of_other_structures_fail_the_build_naming_the
     assert 'guidance = "guided" or "unguided"' in raised.value.hint
 
 
+@pytest.mark.early
 def test_constants_two_programs_name_alike_are_named_apart(tmp_path):
     """Each export names the tensors a forward makes from Python data from 0 (lifted_tensor_0, ...).
     Guided Z-Image's bucket (traced in Python) lifts its RoPE tables under those names, its dynamic
@@ -322,6 +325,7 @@ def test_constants_two_programs_name_alike_are_named_apart(tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+@pytest.mark.early
 def test_a_range_whose_probes_break_a_branch_fails_the_build_naming_it(tmp_path):
     """Z-Image pads a caption of 512 tokens (a multiple of 32) by nothing, another branch than the
     example's (264, padded to 288): a range reaching it fails the build before compiling, naming
@@ -354,9 +358,16 @@ def test_qwen_image_serves_prompts_as_written_and_true_cfg(qwen_image):
         np.testing.assert_allclose(run_prompt(compiled, prompt, **call), run_prompt(eager, prompt, **call),
                                    atol=ATOL, rtol=0)
         assert compiled.transformer.last_variant == "dynamic"
+        assert compiled.vae.last_variant == "b1_64x64"  # the causal VAE's decoder, compiled for one frame
     with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 8 \(max_sequence_length=8\) in "
                                                      r"this call; compiled: 16-500, 512"):
         run_prompt(compiled, fox * 40, height=64, width=64, max_sequence_length=8)
+    with pytest.raises(UnsupportedCallError, match=r"vae.decode\(\): 2 frames in this call; this artifact's "
+                                                   r"vae_decoder is compiled for images \(one frame"):
+        compiled.vae.decode(torch.zeros(1, 4, 2, 32, 32))
+    with pytest.raises(AotbuildError, match=r"vae.enable_tiling\(\): aotbuild does not build tiles of "
+                                            r"AutoencoderKLQwenImage"):
+        compiled.vae.enable_tiling()
 
 
 def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_their_terms(tmp_path_factory):
@@ -379,11 +390,22 @@ def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_th
         got = run_prompt(compiled, prompt, **call)
         np.testing.assert_allclose(got, run_prompt(eager, prompt, **call), atol=ATOL, rtol=0)
         assert compiled.transformer.last_variant == "dynamic"
+    assert (compiled.vae.parts["encoder"].last_variant, compiled.vae.last_variant) == ("b1_1024x1024", "b1_64x64")
+    # A 2:1 image: the encoder, compiled at the 1 MP the pipeline resizes a square image to, refuses
+    # first; with the VAE eager, the transformer refuses the sizes it holds as constants.
+    with pytest.raises(ShapeNotSupportedError, match=r"vae_encoder: no compiled variant for this call "
+                                                     r"\(QwenImageEditPipeline\(height=64, width=64, .*\): args\[0\] "
+                                                     r"\[1, 3, 1, 736, 1440\]; this artifact covers: 1024x1024 px, 1 "
+                                                     r"image; QwenImageEditPipeline resizes the image to edit to "
+                                                     r"~1024x1024 px at its own aspect ratio"):
+        run_prompt(compiled, fox, image=seeded_image(64, 128), height=64, width=64)
+    compiled_vae, compiled.vae = compiled.vae, eager.vae
     with pytest.raises(ShapeNotSupportedError, match=r"img_shapes .* is \(1, 2, 2\), \(1, 23, 45\) in this call "
                                                      r"\(QwenImageEditPipeline\(height=64, width=64\)\), compiled "
                                                      r"\(1, 2, 2\), \(1, 32, 32\).* resizes the image to edit to "
                                                      r"~1024x1024 px at its own aspect ratio"):
         run_prompt(compiled, fox, image=seeded_image(64, 128), height=64, width=64)
+    compiled.vae = compiled_vae
     with pytest.raises(ShapeNotSupportedError, match=r"is \(1, 32, 32\), \(1, 32, 32\) in this call "
                                                      r"\(QwenImageEditPipeline\(height=1024, width=1024\)\)"):
         run_prompt(compiled, fox, image=square)
@@ -395,6 +417,7 @@ def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_th
     plus, plus_eager = (diffusers.QwenImageEditPlusPipeline.from_pipe(p) for p in (compiled, eager))
     call = {"image": [square], "height": 64, "width": 64, "true_cfg_scale": 4.0, "negative_prompt": "blurry"}
     np.testing.assert_allclose(run_prompt(plus, fox, **call), run_prompt(plus_eager, fox, **call), atol=ATOL, rtol=0)
+    assert plus.vae.parts["encoder"].last_variant == "b1_1024x1024"  # its VAE image: 1 MP too
     with pytest.raises(ShapeNotSupportedError, match=r"is \(1, 2, 2\), \(1, 32, 32\), \(1, 32, 32\) in this call "
                                                      r"\(QwenImageEditPlusPipeline\(height=64, width=64\)\), compiled "
                                                      r"\(1, 2, 2\), \(1, 32, 32\).* edits one image per call"):
@@ -425,6 +448,8 @@ def test_z_image_and_qwen_image_as_diffusers_users_call_them(name, img2img, call
     cls = getattr(diffusers, img2img)
     image = diffusers.utils.numpy_to_pil(np.random.default_rng(0).random((64, 64, 3)))[0]
     same(cls.from_pipe(compiled), cls.from_pipe(eager), image=image, strength=0.6)
+    if "vae_encoder" in built.manifest["components"]:  # Qwen-Image's: the image is encoded compiled
+        assert compiled.vae.parts["encoder"].last_variant == "b1_64x64"
 
     with pytest.warns(UncuratedPipelineWarning):
         compiled = aotbuild.load_pipeline(built.folder)
@@ -463,6 +488,7 @@ def test_checkpoints_with_weights_no_compiled_code_reads_bind(tmp_path, tmp_path
                                rtol=0)
 
 
+@pytest.mark.early
 def test_flux2_vae_compiled_with_the_latent_statistics_of_each_checkpoint(tmp_path):
     """FLUX.2's AutoencoderKLFlux2 is AutoencoderKL's code plus a BatchNorm whose running statistics
     the pipeline reads to (de)normalize latents: its decoder is compiled, and the statistics are
@@ -493,6 +519,7 @@ def test_flux2_vae_compiled_with_the_latent_statistics_of_each_checkpoint(tmp_pa
         assert pipe.vae.last_variant == "b2_64x64"
 
 
+@pytest.mark.early
 def test_a_python_value_following_the_size_fails_a_range_naming_it(tmp_path):
     """QwenImageTransformer2DModel takes the image's size as a Python list (img_shapes): a range
     over sizes fails the build naming that input, before anything is exported."""

@@ -278,6 +278,7 @@ vae_decoder = {{}}
 BF16_IMAGE_ATOL = 2e-2
 
 
+@pytest.mark.early
 def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_target, tmp_path):
     """The path a user takes: the pipeline is a Hub repo pinned to a revision. A bfloat16 target
     downloads the repo's fp16 variant files only; loading the artifact fetches the components it did

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ..errors import AotbuildError
-from ..pipelines import vae_factor
+from ..errors import AotbuildError, UnsupportedCallError
+from ..pipelines import FRAMEWISE_VAES
 from .checkpoint import module_tensors
 from .component import CompiledComponent, Config, MissingAttributeError, key_differences
 from .guards import StandIn
@@ -31,21 +31,24 @@ class CompiledAutoencoderBase(StandIn):
     are its parts' bound weights, named as AutoencoderKL names them (each part's export module
     holds `decoder`/`post_quant_conv` or `encoder`/`quant_conv`)."""
 
+    framewise = False  # parts compiled for one frame of a frame-wise causal VAE (FRAMEWISE_VAES)
+
     def __init__(self, config: dict[str, Any], parts: dict[str, CompiledComponent]) -> None:
         super().__init__()
         self.config = Config(config)
-        self.parts = parts  # a plain dict as well: the registered submodules are the same objects
+        self.parts = parts  # a plain dict as well: the registered submodules call these
         for name, part in parts.items():
-            self.add_module(name, part)
+            self.add_module(name, FirstFrame(part) if self.framewise else part)
         # The compiled parts include the quant convs: diffusers' code calls these as no-ops.
         self.quant_conv = self.post_quant_conv = torch.nn.Identity()
-        self.use_slicing = False
-        self.use_tiling = False
-        sample_size = config["sample_size"]
-        sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size
-        self.tile_sample_min_size = config["sample_size"]
-        self.tile_latent_min_size = int(sample_size / vae_factor(config))  # as AutoencoderKL.__init__
-        self.tile_overlap_factor = 0.25
+        # The settings the VAE class's own __init__ makes of the config (slicing and tiling off,
+        # tile sizes; Qwen-Image's `temperal_downsample`, which its pipelines read), as it makes them.
+        from .lora import meta_model
+
+        module_own = set(vars(torch.nn.Module()))
+        for name, value in vars(meta_model(config, torch.float32)).items():
+            if not name.startswith("_") and name not in module_own and isinstance(value, (bool, int, float, list)):
+                setattr(self, name, value)
         self.component_name = "vae"
         # FLUX.2's latent BatchNorm, read by its pipeline: the first part's bound tensors (loads
         # write them in place, so it follows every checkpoint the parts take).
@@ -125,6 +128,11 @@ class CompiledAutoencoderBase(StandIn):
     def enable_tiling(self) -> None:
         """Tiled encode and decode run the parts' tile models; a part built without one is refused
         here, before any call."""
+        if self.framewise:
+            raise AotbuildError(f"vae.enable_tiling(): aotbuild does not build tiles of {self.config['_class_name']} "
+                                f"(its tiled encode and decode cut tiles of their own sizes)",
+                                hint="images decode whole: leave tiling off, or run this VAE eager for tiling (a "
+                                     "target without vae_decoder and vae_encoder in [components])")
         for name, part in self.parts.items():
             if not any(v.entry.get("tile") for v in part.variants):
                 component = PART_COMPONENTS[name]
@@ -153,13 +161,48 @@ class LatentStatistics(torch.nn.Module):
         raise AotbuildError("vae.bn holds the latent statistics the pipeline reads; aotbuild does not run it")
 
 
+class FirstFrame(torch.nn.Module):
+    """A part of a frame-wise causal VAE as diffusers calls it: frame by frame, with caches of the
+    frames before (`feat_cache`, `feat_idx`). Compiled for one frame, whose caches are empty, it
+    takes that call without them; the stand-in refuses a call of more frames before any part runs."""
+
+    def __init__(self, part: CompiledComponent) -> None:
+        super().__init__()
+        self.part = part
+
+    def forward(self, x: torch.Tensor, feat_cache: Any = None, feat_idx: Any = None) -> torch.Tensor:
+        return self.part(x)
+
+
+def _one_frame_only(method: Any, part: str) -> Any:
+    """`_encode` / `_decode` of a frame-wise VAE, refusing a video: its parts are compiled for one
+    frame (its later frames read the caches of the frames before, which they do not take)."""
+
+    @functools.wraps(method)
+    def checked(self: CompiledAutoencoderBase, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if x.ndim == 5 and x.shape[2] != 1:
+            raise UnsupportedCallError(
+                f"vae.{part.removesuffix('r')}(): {x.shape[2]} frames in this call; this artifact's "
+                f"{PART_COMPONENTS[part]} is compiled for images (one frame: its later frames read the caches of "
+                f"the frames before)", hint="run the VAE eager for videos: build without vae_decoder and "
+                                            "vae_encoder in [components]")
+        return method(self, x, *args, **kwargs)
+
+    return checked
+
+
 @functools.cache
 def autoencoder_class(class_name: str = "AutoencoderKL") -> type:
     """CompiledAutoencoderBase with the encode/decode methods of the VAE class (FLUX.2's are
-    AutoencoderKL's code; AutoencoderKL's where it lacks one). diffusers is imported here, when a
-    pipeline is built, not when the runtime is."""
+    AutoencoderKL's code; AutoencoderKL's where it lacks one; a frame-wise VAE's `clear_cache` and
+    one-frame checks too). diffusers is imported here, when a pipeline is built, not when the
+    runtime is."""
     import diffusers
 
     own, base = getattr(diffusers, class_name, diffusers.AutoencoderKL), diffusers.AutoencoderKL
-    return type("CompiledAutoencoder", (CompiledAutoencoderBase,),
-                {name: own.__dict__.get(name, base.__dict__[name]) for name in BORROWED})
+    methods = {name: own.__dict__.get(name, base.__dict__[name]) for name in BORROWED}
+    if class_name in FRAMEWISE_VAES:
+        methods |= {"framewise": True, "clear_cache": own.clear_cache,
+                    "_encode": _one_frame_only(methods["_encode"], "encoder"),
+                    "_decode": _one_frame_only(methods["_decode"], "decoder")}
+    return type("CompiledAutoencoder", (CompiledAutoencoderBase,), methods)

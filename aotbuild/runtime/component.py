@@ -497,17 +497,21 @@ def _sizes_not_compiled(component: str, head: str, given: dict[str, Any], expect
 
     call = pipeline_call()
     asked = "" if call is None else f" ({_call_text(call, ('height', 'width'))})"
-    resized = ""
-    if call is not None and call[0] in SIZED_BY_IMAGE:
-        side = math.isqrt(SIZED_BY_IMAGE[call[0]])
-        resized = (f"; {call[0]} resizes the image to edit to ~{side}x{side} px at its own aspect ratio, and an "
-                   f"artifact edits one image per call, of its buckets' aspect ratios (a bucket's height x width is "
-                   f"captured editing an image of that size)")
     covered = "; ".join(variant_coverage(v.entry) for v in variants)
     return (f"{component}: this call's image sizes are not compiled: {head} {SIZE_CONSTANTS[head]} is "
             f"{per_image({p: x for p, x in given.items()})} in this call{asked}, compiled "
             f"{per_image({p: e.get('value') for p, e in expected.items()})}: sizes the compiled model holds as "
-            f"constants{resized}; this artifact covers: {covered}")
+            f"constants{_resized_by_pipeline(call)}; this artifact covers: {covered}")
+
+
+def _resized_by_pipeline(call: tuple[str, dict[str, Any]] | None) -> str:
+    """Why a SIZED_BY_IMAGE pipeline's edit is of sizes the call did not give ("" for another)."""
+    if call is None or call[0] not in SIZED_BY_IMAGE:
+        return ""
+    side = math.isqrt(SIZED_BY_IMAGE[call[0]])
+    return (f"; {call[0]} resizes the image to edit to ~{side}x{side} px at its own aspect ratio, and an artifact "
+            f"edits one image per call, of its buckets' aspect ratios (a bucket's height x width is captured "
+            f"editing an image of that size)")
 
 
 def unsupported_call(component: str, variants: list[CompiledVariant], args: tuple, kwargs: dict) -> str:
@@ -575,6 +579,8 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
     if sequences and call is not None and call[1].get("image_height") is not None:
         edit = (f" (an edited image of {call[1]['image_height']}x{call[1]['image_width']} px adds its tokens to the "
                 f"output's: a dynamic model serves edits whose tokens together fit its range)")
+    if component == "vae_encoder":  # Qwen-Image-Edit's encoder sees the image at the size it was resized to
+        edit = _resized_by_pipeline(call)
     return f"{component}: no compiled variant for this call{asked}: {shapes}; this artifact covers: {covered}{edit}"
 
 
