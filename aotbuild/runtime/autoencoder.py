@@ -12,7 +12,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import AotbuildError, UnsupportedCallError
-from ..pipelines import FRAMEWISE_VAES
+from ..pipelines import FRAMEWISE_VAES, vae_factor
 from .checkpoint import module_tensors
 from .component import CompiledComponent, Config, MissingAttributeError, key_differences
 from .guards import StandIn
@@ -41,14 +41,24 @@ class CompiledAutoencoderBase(StandIn):
             self.add_module(name, FirstFrame(part) if self.framewise else part)
         # The compiled parts include the quant convs: diffusers' code calls these as no-ops.
         self.quant_conv = self.post_quant_conv = torch.nn.Identity()
-        # The settings the VAE class's own __init__ makes of the config (slicing and tiling off,
-        # tile sizes; Qwen-Image's `temperal_downsample`, which its pipelines read), as it makes them.
-        from .lora import meta_model
-
-        module_own = set(vars(torch.nn.Module()))
-        for name, value in vars(meta_model(config, torch.float32)).items():
-            if not name.startswith("_") and name not in module_own and isinstance(value, (bool, int, float, list)):
-                setattr(self, name, value)
+        self.use_slicing = False
+        self.use_tiling = False
+        if self.framewise:
+            # What AutoencoderKLQwenImage.__init__ sets that its pipelines (temperal_downsample) and
+            # `_decode` read. Its tile sizes are its class defaults, never used: no tiles are built
+            # for it, and `enable_tiling` refuses.
+            self.z_dim = config["z_dim"]
+            self.temperal_downsample = list(config["temperal_downsample"])
+            self.temperal_upsample = self.temperal_downsample[::-1]
+            self.spatial_compression_ratio = vae_factor(config)
+            self.tile_sample_min_height = self.tile_sample_min_width = 256
+            self.tile_sample_stride_height = self.tile_sample_stride_width = 192
+        else:
+            sample_size = config["sample_size"]
+            sample_size = sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size
+            self.tile_sample_min_size = config["sample_size"]
+            self.tile_latent_min_size = int(sample_size / vae_factor(config))  # as AutoencoderKL.__init__
+            self.tile_overlap_factor = 0.25
         self.component_name = "vae"
         # FLUX.2's latent BatchNorm, read by its pipeline: the first part's bound tensors (loads
         # write them in place, so it follows every checkpoint the parts take).
