@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -116,8 +115,9 @@ def _build(tmp_path_factory, target) -> SimpleNamespace:
 
 
 class _Builder(threading.Thread):
-    """Builds targets one after another, each in an `aotbuild build` process logging to a file,
-    and says on the terminal when each is done (`say`): the first tests wait minutes for them."""
+    """Builds targets one after another in one `tests.prebuild` process (each build logging to its
+    own file, as `aotbuild build` does) and says on the terminal when each is done (`say`): the
+    first tests wait minutes for them."""
 
     def __init__(self, names: tuple[str, ...], artifacts: Path, logs: Path, say=lambda line: None) -> None:
         super().__init__(daemon=True)
@@ -126,24 +126,24 @@ class _Builder(threading.Thread):
         self.stopped = False
 
     def run(self) -> None:
-        for i, name in enumerate(self.names, 1):
-            if self.stopped:
-                return
-            start = time.monotonic()
-            with open(self.logs / f"{name}.log", "w") as log:
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "aotbuild.cli", "build", "--target", str(TARGETS / f"{name}.toml"),
-                     "--artifacts", str(self.artifacts)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-                code = self.process.wait()
-            if not self.stopped:
-                outcome = "built" if code == 0 else f"failed (exit {code}; the test that needs it builds it again)"
-                self.say(f"[prebuild] {name} {outcome} in {time.monotonic() - start:.0f} s ({i}/{len(self.names)})")
+        with open(self.logs / f"builder-{self.names[0]}.log", "w") as errors:  # what escaped the builds' logs
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.prebuild", str(self.artifacts), str(self.logs),
+                 *(str(TARGETS / f"{name}.toml") for name in self.names)],
+                stdout=subprocess.PIPE, stderr=errors, text=True, cwd=ROOT)
+            if self.stopped:  # the session ended before the process started
+                self.process.terminate()
+            for i, line in enumerate(self.process.stdout, 1):
+                if not self.stopped:
+                    self.say(f"[prebuild] {line.rstrip()} ({i}/{len(self.names)})")
+            code = self.process.wait()
+        if code != 0 and not self.stopped:
+            self.say(f"[prebuild] the builder of {', '.join(self.names)} exited with {code} (see {errors.name})")
 
     def stop(self) -> None:
         self.stopped = True
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            self.process.wait()
         self.join()
 
 
