@@ -144,11 +144,7 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
         specs = [spec.component(name) for name in target.components]
         optimize_pipeline(pipe, specs, target)
         if backend == "compile":
-            from .export import WEIGHTLESS_OPTIONS, inductor_options
-            from .optimize import inductor_flags
-
-            all_options = inductor_options(target.inductor, inductor_flags(target.optimize))
-            options = {k: v for k, v in all_options.items() if k not in WEIGHTLESS_OPTIONS}
+            options = compile_options(target)
             for s in specs:
                 module = getattr(pipe, s.attribute)
                 compiled = torch.compile(getattr(module, s.method), options=options)
@@ -157,6 +153,15 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
         raise AotbuildError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def compile_options(target: Target) -> dict[str, Any]:
+    """torch.compile's inductor options for the target: the build's, less the AOT-only packaging ones."""
+    from .export import WEIGHTLESS_OPTIONS, inductor_options
+    from .optimize import inductor_flags
+
+    options = inductor_options(target.inductor, inductor_flags(target.optimize))
+    return {k: v for k, v in options.items() if k not in WEIGHTLESS_OPTIONS}
 
 
 @dataclass

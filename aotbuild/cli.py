@@ -374,21 +374,45 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
 @click.option("--serve", "serve_bench", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
                                                         "image, per backend; writes serve-bench.json")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
+@click.option("--component", metavar="NAME", help="instead: this component (unet, transformer, vae_decoder...) called "
+                                                  "directly, every runtime in one process, round-robin: aot, the model "
+                                                  "alone (aot-model), eager, and the peers openvino, openvino-f32, "
+                                                  "onnxruntime (pip install 'aotbuild[peers]'); compile on request")
+@click.option("--rounds", type=click.IntRange(1), default=20, show_default=True, help="with --component: timed rounds")
+@click.option("--busy", type=click.IntRange(0), default=0, show_default=True,
+              help="with --component: processes spinning on the CPU beside the timed rounds (replicas sharing cores)")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, quick: bool, serve_bench: bool,
-          port: int, plot_path: Path | None, artifacts: Path) -> None:
+          port: int, component: str | None, rounds: int, busy: int, plot_path: Path | None, artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json after
     each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
-    target, most of it torch.compile; --quick is a first look."""
+    target, most of it torch.compile; --quick is a first look. With --component: one component
+    against the peers in one process (bench-<component>.json), --quick 5 rounds."""
     from .bench import BENCH_NAME, CASES, DEFAULT_RATIOS, REGIONAL_CASE, REGIONAL_RATIOS, format_table, plot, run_bench
     from .targets import load_target
 
+    given = {name for name in ("repeats", "steps", "steady", "cases", "rounds")
+             if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if component is not None:
+        from .component_bench import component_bench_name, format_component_table, run_component_bench
+
+        if serve_bench or plot_path:
+            raise AotbuildError("--component times one component; --serve and --plot bench whole pipelines")
+        if given & {"repeats", "steps", "steady"}:
+            raise AotbuildError("--repeats, --steps and --steady bench whole pipelines; --component takes --rounds")
+        chosen = _listed(cases)
+        document = run_component_bench(
+            target_name, artifacts, component, rounds=5 if quick and "rounds" not in given else rounds, busy=busy,
+            progress=lambda msg: click.echo(f"[bench] {msg}", err=True), **({"cases": chosen} if chosen else {}))
+        click.echo(format_component_table(document))
+        click.echo(f"wrote {artifacts / document['meta']['target'] / component_bench_name(component)}")
+        return
+    if busy or "rounds" in given:
+        raise AotbuildError("--rounds and --busy go with --component")
     if quick:  # what the user gave explicitly still holds
-        given = {name for name in ("repeats", "steps", "steady", "cases")
-                 if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
         repeats = repeats if "repeats" in given else 1
         steps = steps if "steps" in given else 2
         steady = steady if "steady" in given else 1
@@ -396,7 +420,7 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
 
     target = load_target(target_name)
     progress = lambda msg: click.echo(f"[bench] {msg}", err=True)  # noqa: E731
-    chosen = tuple(c.strip() for c in cases.split(",") if c.strip()) if cases else None
+    chosen = _listed(cases)
     if serve_bench:
         from .backends import BACKENDS
         from .serve import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
@@ -415,6 +439,11 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     if plot_path:
         plot(document, plot_path)
         click.echo(f"wrote {plot_path}")
+
+
+def _listed(cases: str | None) -> tuple[str, ...] | None:
+    """--cases as a tuple of names (None when not given)."""
+    return tuple(c.strip() for c in cases.split(",") if c.strip()) if cases else None
 
 
 @main.command()

@@ -135,3 +135,51 @@ def test_bench_without_artifact_or_with_unknown_case(tmp_path):
                                        "--artifacts", str(tmp_path), "--cases", "aot-tiling"])
     assert result.exit_code == 1 and ("case aot-tiling needs vae_decoder = { tiling = true } and a first bucket "
                                       "larger than a tile (64 px); cpu-tiny-sd15 lacks one") in result.output
+
+
+@pytest.mark.slow
+def test_component_bench_runs_every_runtime_on_the_pipelines_own_call(built, tmp_path):
+    """aot, the model alone, eager and the three peers on tiny SDXL's UNet call at 1x64x64, in one
+    process: each output against eager float32, the document written and read back."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts",
+                                       str(artifacts), "--component", "unet", "--rounds", "3"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    document = json.loads((artifacts / built.folder.name / "bench-unet.json").read_text())
+    runtimes = document["runtimes"]
+    assert list(runtimes) == ["aot", "aot-model", "eager", "openvino", "openvino-f32", "onnxruntime"]
+    assert document["skipped"] == {} and document["meta"]["shape"] == "1x64x64" and document["meta"]["rounds"] == 3
+    for case, figures in runtimes.items():
+        assert figures["max_rel_error"] < (1e-6 if case == "eager" else 1e-4), case  # float32: rounding alone
+        assert len(figures["values"]) == 3 and figures["call_s"] > 0 and figures["ratio_to_aot"] > 0
+    assert runtimes["aot"]["ratio_to_aot"] == 1 and runtimes["aot-model"]["variant"] == "b1_64x64"
+    assert runtimes["openvino-f32"]["precision"] == "f32"
+    assert runtimes["openvino"]["convert_s"] == runtimes["openvino-f32"]["convert_s"] > 0  # converted once
+    assert all(runtimes[case]["disk_mib"] > 0 for case in ("aot", "openvino", "onnxruntime"))
+    assert isinstance(document["meta"]["stand_in_us"], float)
+    assert "onnxruntime" in result.output and "the stand-in's own cost per call" in result.output
+
+
+def test_component_bench_refuses_what_it_cannot_time(tmp_path):
+    from aotbuild.peers import Peer
+
+    def bench(*extra):
+        return CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+                                         "--artifacts", str(tmp_path), *extra])
+
+    result = bench("--component", "transformer")
+    assert result.exit_code == 1 and "cpu-tiny-sdxl compiles unet, vae_decoder, vae_encoder; not 'transformer'" \
+        in result.output
+    result = bench("--component", "unet", "--cases", "aot-model")
+    assert result.exit_code == 1 and "case aot-model needs case aot" in result.output
+    result = bench("--component", "unet", "--cases", "aot,tensorrt")
+    assert result.exit_code == 1 and "unknown case 'tensorrt' for --component" in result.output
+    result = bench("--component", "unet")
+    assert result.exit_code == 1 and "no artifact at" in result.output
+    result = bench("--component", "unet", "--steps", "3")
+    assert result.exit_code == 1 and "--component takes --rounds" in result.output
+    result = bench("--busy", "2")
+    assert result.exit_code == 1 and "--rounds and --busy go with --component" in result.output
+    missing = Peer("nothing", "aotbuild_no_such_runtime", None, None, "").missing()
+    assert missing == "aotbuild_no_such_runtime is not installed (pip install 'aotbuild[peers]')"

@@ -466,24 +466,30 @@ def test_z_image_and_qwen_image_as_diffusers_users_call_them(name, img2img, call
 def test_checkpoints_with_weights_no_compiled_code_reads_bind(tmp_path, tmp_path_factory):
     """Every Qwen-Image checkpoint holds its last block's dead text stream, which no compiled code
     reads: `apply` (the pipeline's own weights), `weights=` and `load_state_dict` take such a
-    checkpoint as eager does (they refused it as "another architecture" before)."""
-    target, built, _, _ = loaded(tmp_path_factory, "cpu-tiny-qwen-image")
+    checkpoint as eager does (they refused it as "another architecture" before). The fine-tune's
+    VAE differs too: its weights run in the compiled AutoencoderKLQwenImage parts."""
+    target, built, _, eager = loaded(tmp_path_factory, "cpu-tiny-qwen-image")
     call = {"height": 64, "width": 64}
     finetuned = eager_pipeline(target, seed=7)
+    assert not all(torch.equal(a, b) for a, b in zip(finetuned.vae.decoder.state_dict().values(),
+                                                     eager.vae.decoder.state_dict().values(), strict=True))
     expected = run_prompt(finetuned, PROMPT, **call)
     finetuned.save_pretrained(tmp_path / "finetune")
     with pytest.warns(UncuratedPipelineWarning):
         loaded_with = aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune")
     np.testing.assert_allclose(run_prompt(loaded_with, PROMPT, **call), expected, atol=ATOL, rtol=0)
+    assert loaded_with.vae.last_variant == "b1_64x64"  # decoded by the compiled part
     with pytest.warns(UncuratedPipelineWarning):
         aotbuild.apply(finetuned, built.folder)
     np.testing.assert_allclose(run_prompt(finetuned, PROMPT, **call), expected, atol=ATOL, rtol=0)
     with pytest.warns(UncuratedPipelineWarning):
         compiled = aotbuild.load_pipeline(built.folder)
-    eager, state = eager_pipeline(target), eager_pipeline(target, seed=7).transformer.state_dict()
+    eager, other = eager_pipeline(target), eager_pipeline(target, seed=7)
+    state = other.transformer.state_dict()
     assert "transformer_blocks.1.attn.to_add_out.weight" in state
     for pipe in (compiled, eager):
         pipe.transformer.load_state_dict(state)
+        pipe.vae.load_state_dict(other.vae.state_dict())
     np.testing.assert_allclose(run_prompt(compiled, PROMPT, **call), run_prompt(eager, PROMPT, **call), atol=ATOL,
                                rtol=0)
 

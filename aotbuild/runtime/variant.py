@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +197,12 @@ class CompiledVariant:
                    if isinstance(leaf, torch.Tensor)]
         ranges = {**self.entry.get("dynamic", {}), "batch": self.entry.get("call_batch")}
         return [d for _, d in tensors], [s for s, _ in tensors], ranges
+
+    def bare_call(self, leaves: list[tuple[str, Any]]) -> Callable[[], list[torch.Tensor]]:
+        """The compiled model alone on these inputs, prepared once: no dispatch, checks, conversion
+        or lock per call (`aotbuild bench --component` times the stand-in's own cost against it)."""
+        tensors = self._prepare(leaves)
+        return lambda: self._run(list(tensors))  # boxed_run empties the list it is given
 
     def run(self, leaves: list[tuple[str, Any]]) -> Any:
         with self._lock:  # the single-threaded runner is not reentrant

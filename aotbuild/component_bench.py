@@ -1,0 +1,269 @@
+"""`aotbuild bench --component NAME`: one component of a target called directly, every runtime in
+this one process, round-robin and paired per round, so drift and load fall on all of them alike:
+
+- `aot`: the artifact's compiled component through its stand-in, called as the pipeline calls it;
+- `aot-model`: the compiled model the stand-in picked, alone, on inputs prepared once: `aot` minus
+  `aot-model` is the stand-in's own cost per call (dispatch, flattening, checks, lock);
+- `eager`: the target's recipe uncompiled (its dtype and passes); `compile`: torch.compile of it,
+  on request (its first call compiles);
+- the peers (`peers.PEERS`), each converted from the component's float32 model.
+
+Every runtime gets the call the pipeline makes at the target's first bucket, recorded from the
+float32 pipeline, and its output is compared with that eager float32 output (the build's
+reference). `busy` spinning processes beside the timed rounds stand for replicas sharing the cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import AotbuildError
+from .peers import PEERS, call_tensors, tensor_program
+
+COMPONENT_CASES = ("aot", "aot-model", "eager", "compile", *PEERS)
+DEFAULT_COMPONENT_CASES = tuple(case for case in COMPONENT_CASES if case != "compile")
+COMPONENT_FIGURES = {
+    "call_s": "one call, the median over the timed rounds",
+    "ratio_to_aot": "call_s / aot's call_s, the median of the per-round ratios",
+    "first_call_s": "the first call after preparing (compile: it compiles)",
+    "prepare_s": "from files on disk (or the eager module) to ready: load and bind, or the runtime's own compile",
+    "convert_s": "peers: torch.export of the float32 model and the runtime's conversion, saved",
+    "disk_mib": "bytes of what the runtime loads: the artifact's package and weights, or the peer's saved model",
+    "max_abs_error": "largest absolute difference from eager float32 on the recorded call",
+    "max_rel_error": "max_abs_error / the largest absolute value of eager float32's output",
+}
+
+
+def component_bench_name(component: str) -> str:
+    return f"bench-{component}.json"
+
+
+@dataclasses.dataclass
+class _Runtime:
+    call: Callable[[], Any]
+    figures: dict[str, Any]
+    stand_in: Any = None  # aot's: aot-model calls the model it picks
+
+
+def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *,
+                        cases: tuple[str, ...] = DEFAULT_COMPONENT_CASES, rounds: int = 20, busy: int = 0,
+                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Prepare each case, check its output, time `rounds` rounds; write and return the document
+    (`bench-<component>.json` in the artifact). A peer that is not installed is skipped, saying why.
+
+    Raises:
+        AotbuildError: an unknown case or component, no artifact, or aot-model without aot.
+    """
+    from .backends import built_artifact
+    from .bench import write_document
+    from .manifest import environment, read_manifest
+    from .pipelines import pipeline_spec
+    from .targets import load_target
+
+    say = progress or (lambda message: None)
+    target = load_target(target_path)
+    if unknown := [c for c in cases if c not in COMPONENT_CASES]:
+        raise AotbuildError(f"unknown case {unknown[0]!r} for --component; known: {', '.join(COMPONENT_CASES)}")
+    if "aot-model" in cases and "aot" not in cases:
+        raise AotbuildError("case aot-model needs case aot: it calls the model aot's stand-in picks")
+    if component not in target.components:
+        raise AotbuildError(f"{target.name} compiles {', '.join(target.components)}; not {component!r}")
+    folder = built_artifact(target, artifacts_dir)
+    spec = pipeline_spec(target.pipeline).component(component)
+    cases = tuple(c for c in COMPONENT_CASES if c in cases)
+    skipped = {case: reason for case in cases if case in PEERS and (reason := PEERS[case].missing())}
+    if "aot-model" in cases and read_manifest(folder)["components"][component].get("mode") == "regional":
+        skipped["aot-model"] = "a regional artifact's model is its blocks, run by the code between them"
+
+    say(f"eager float32: the call {component} gets at {target.shapes[0]}, and its output")
+    reference, call = _reference_call(target, spec)
+    runtimes: dict[str, _Runtime] = {}
+    converted: dict[Callable, tuple[Path, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="aotbuild-peers-") as work, torch.no_grad():
+        for case in (c for c in cases if c not in skipped):
+            say(f"preparing {case}")
+            runtimes[case] = _prepare(case, target, spec, folder, reference, call, runtimes, converted, Path(work))
+            output = _first_tensor(runtimes[case].call())
+            runtimes[case].figures |= _errors(output, _first_tensor(call.output))
+        say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
+        with _spinning(busy):
+            times = _rounds(runtimes, rounds)
+    base = "aot" if "aot" in times else next(iter(times))
+    for case, seconds in times.items():
+        runtimes[case].figures |= {
+            "call_s": statistics.median(seconds), "values": seconds,
+            "ratio_to_aot": statistics.median(s / a for s, a in zip(seconds, times[base], strict=True))}
+    meta = {"target": target.name, "component": component, "shape": str(target.shapes[0]), "rounds": rounds,
+            "busy": busy, "cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "ratio_base": base, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if "aot-model" in times:
+        meta["stand_in_us"] = statistics.median((a - m) * 1e6 for a, m in zip(times["aot"], times["aot-model"],
+                                                                                 strict=True))
+    document = {"meta": meta, "environment": environment(target.device), "figures": COMPONENT_FIGURES,
+                "runtimes": {case: r.figures for case, r in runtimes.items()}, "skipped": skipped}
+    write_document(folder / component_bench_name(component), document)
+    return document
+
+
+def _reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
+    """The component's float32 module (unoptimized, as the build's reference) and the call the
+    float32 pipeline makes to it at the first bucket, with its output."""
+    from . import capture
+    from .builder import _load_pipeline
+    from .pipelines import UNGUIDED, pipeline_spec
+
+    pipeline = pipeline_spec(target.pipeline)
+    pipe = _load_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
+    bucket = target.shapes[0]
+    if spec.recorded:
+        extras = pipeline.capture_extras(bucket.batch, bucket.height, bucket.width) if pipeline.capture_extras \
+            else None
+        call = capture.capture_inputs(
+            pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
+            guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,
+            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras)[spec.name]
+    else:
+        call = capture.random_call(pipe, spec, bucket.batch, bucket.height, bucket.width, torch.device("cpu"))
+    module = spec.export_module(getattr(pipe, spec.attribute)).eval()
+    if spec.denoiser:
+        call = capture.float_timestep(call, module)
+    return module, call
+
+
+def _prepare(case: str, target: Any, spec: Any, folder: Path, reference: torch.nn.Module, call: Any,
+             ready: dict[str, _Runtime], converted: dict[Callable, tuple[Path, float]], work: Path) -> _Runtime:
+    """The case ready to call (`ready`: the cases prepared before it; `converted`: the peers' saved
+    conversions so far, by converter, with the seconds each took)."""
+    start = time.perf_counter()
+    if case == "aot":
+        stand_in, disk = _stand_in(folder, spec.name)
+        args, kwargs = _in_dtype(call, getattr(torch, target.dtype))
+        return _Runtime(lambda: stand_in(*args, **kwargs),
+                        {"prepare_s": time.perf_counter() - start, "disk_mib": disk / 2**20}, stand_in)
+    if case == "aot-model":
+        stand_in = ready["aot"].stand_in
+        args, kwargs = _in_dtype(call, getattr(torch, target.dtype))
+        variant = next(v for v in stand_in.variants if v.name == stand_in.last_variant)
+        return _Runtime(variant.bare_call(variant.flatten(args, kwargs)), {"variant": variant.name})
+    if case in ("eager", "compile"):
+        module, args, kwargs = _recipe(target, spec, reference, call)
+        if case == "compile":
+            from .backends import compile_options
+
+            module = torch.compile(module, options=compile_options(target))
+        return _Runtime(lambda: module(*args, **kwargs), {"prepare_s": time.perf_counter() - start})
+    peer = PEERS[case]
+    if peer.convert not in converted:  # OpenVINO at two precisions: one conversion, loaded twice
+        saved = work / case
+        saved.mkdir()
+        peer.convert(tensor_program(reference, call.args, call.kwargs), saved)
+        converted[peer.convert] = (saved, time.perf_counter() - start)
+    saved, convert_s = converted[peer.convert]
+    loading = time.perf_counter()
+    runner, chose = peer.load(saved)
+    tensors = call_tensors(call.args, call.kwargs)
+    return _Runtime(lambda: runner(tensors), {
+        "convert_s": convert_s, "prepare_s": time.perf_counter() - loading, "about": peer.about,
+        "disk_mib": sum(p.stat().st_size for p in saved.iterdir()) / 2**20, **chose})
+
+
+def _stand_in(folder: Path, component: str) -> tuple[Any, int]:
+    """The artifact's stand-in for `component` (for a VAE part, the part), loaded as the runtime
+    loads it, and the bytes of its package and weights."""
+    from .runtime import CompiledComponent
+    from .runtime.load import load_components
+
+    manifest, modules = load_components(folder)
+    stand_in = next(m for module in modules.values() for m in module.modules()
+                    if isinstance(m, CompiledComponent) and m.component_name == component)
+    entry = manifest["components"][component]
+    return stand_in, sum((folder / entry[f]).stat().st_size for f in ("package", "weights"))
+
+
+def _recipe(target: Any, spec: Any, reference: torch.nn.Module, call: Any) -> tuple[torch.nn.Module, tuple, dict]:
+    """The target's recipe, uncompiled, and the call as it takes it: float32 without passes is the
+    reference module itself."""
+    if target.dtype == "float32" and not target.optimize:
+        return reference, call.args, call.kwargs
+    from . import optimize
+    from .backends import prepare
+
+    module = spec.export_module(getattr(prepare(target, "eager", Path()), spec.attribute)).eval()
+    args, kwargs = optimize.adapt_example_inputs(target.optimize, _in_dtype(call, getattr(torch, target.dtype)))
+    return module, args, kwargs
+
+
+def _in_dtype(call: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """The call with its floating-point tensors in `dtype` (what a pipeline of that dtype passes)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+                                (call.args, call.kwargs))
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
+
+
+def _errors(output: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+    error = (output.float() - expected.float()).abs().max().item()
+    return {"max_abs_error": error, "max_rel_error": error / max(expected.abs().max().item(), 1e-6)}
+
+
+def _rounds(runtimes: dict[str, _Runtime], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each runtime's call per round, after one untimed call each; the order rotates
+    every round, so no runtime always follows the same one."""
+    names = list(runtimes)
+    for name in names:
+        runtimes[name].call()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            runtimes[name].call()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+@contextlib.contextmanager
+def _spinning(count: int) -> Iterator[None]:
+    """`count` processes spinning on the CPU for the duration of the block."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def format_component_table(document: dict[str, Any]) -> str:
+    """One row per runtime: its call, the ratio to aot's, its error, and what preparing it cost."""
+    def cell(value: Any, width: int, spec: str) -> str:
+        return f"{'-' if value is None else format(value, spec):>{width}}"
+
+    meta = document["meta"]
+    lines = [f"{meta['target']} {meta['component']} at {meta['shape']}: {meta['rounds']} rounds, "
+             f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside",
+             f"{'runtime':<14}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'rel.err':>10}{'prepare s':>11}"
+             f"{'convert s':>11}{'disk MiB':>10}  chose"]
+    for case, f in document["runtimes"].items():
+        chose = ", ".join(f"{k} {f[k]}" for k in ("precision", "threads", "variant") if k in f)
+        lines.append(f"{case:<14}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
+                     f"{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('prepare_s'), 11, '.2f')}"
+                     f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}  {chose}")
+    if "stand_in_us" in meta:
+        lines.append(f"the stand-in's own cost per call (aot - aot-model): {meta['stand_in_us']:.0f} us")
+    lines += [f"{case}: skipped, {reason}" for case, reason in document["skipped"].items()]
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""The runtimes users pick instead of aotbuild, run on the same graph: OpenVINO (at its default
+inference precision, which it picks from the CPU, and forced to f32) and ONNX Runtime (CPU execution
+provider). Each converts a `torch.export` program of the component's float32 model, with its
+tensors as the only inputs and outputs, saves what it made (the files a user would deploy), loads it
+back and runs it on torch tensors. The peers are an optional extra (`aotbuild[peers]`): a missing
+one is skipped with the reason (`missing`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+_GIVEN = object()  # a tensor leaf's place: the call gives it
+
+
+class TensorCall(torch.nn.Module):
+    """`module(*args, **kwargs)` as a function of the call's tensors alone (its other leaves, such as
+    `return_dict=False`, fixed as recorded), returning the output's tensors: the form a converter
+    takes, each input a tensor."""
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.module = module
+        leaves, self._spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        self._fixed = [_GIVEN if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        given = iter(tensors)
+        leaves = [next(given) if fixed is _GIVEN else fixed for fixed in self._fixed]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        output = self.module(*args, **kwargs)
+        return tuple(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
+
+
+def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The call's tensors, in the order `TensorCall` takes them."""
+    return [leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor)]
+
+
+def tensor_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """torch.export (static, non-strict, as aotbuild's build exports) of `TensorCall` at this call."""
+    with torch.no_grad():
+        return torch.export.export(TensorCall(module, args, kwargs).eval(), tuple(call_tensors(args, kwargs)),
+                                   strict=False)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One runtime: its package (`module`), how it converts an exported program into files in a
+    folder, and how it loads them into a runner of torch tensors."""
+
+    name: str
+    module: str  # the Python package it needs
+    convert: Callable[[torch.export.ExportedProgram, Path], None]
+    load: Callable[[Path], tuple[Runner, dict[str, Any]]]  # (runner, what it chose: precision, threads)
+    about: str
+
+    def missing(self) -> str | None:
+        """Why this peer cannot run here, or None."""
+        if importlib.util.find_spec(self.module) is None:
+            return f"{self.module} is not installed (pip install 'aotbuild[peers]')"
+        return None
+
+
+def _openvino_convert(program: torch.export.ExportedProgram, folder: Path) -> None:
+    import openvino as ov
+
+    # Weights as they are: OpenVINO's save compresses them to float16 unless told not to.
+    ov.save_model(ov.convert_model(program), folder / "model.xml", compress_to_fp16=False)
+
+
+def _openvino_loader(precision: str | None) -> Callable[[Path], tuple[Runner, dict[str, Any]]]:
+    def load(folder: Path) -> tuple[Runner, dict[str, Any]]:
+        import openvino as ov
+
+        config = {"INFERENCE_PRECISION_HINT": precision} if precision else {}
+        compiled = ov.Core().compile_model(folder / "model.xml", "CPU", config)
+        request = compiled.create_infer_request()
+
+        def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            results = request.infer([t.contiguous().numpy() for t in tensors])
+            return [torch.from_numpy(results[output].copy()) for output in compiled.outputs]
+
+        chose = {"precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+                 "threads": int(compiled.get_property("INFERENCE_NUM_THREADS"))}
+        return run, chose
+
+    return load
+
+
+def _onnx_convert(program: torch.export.ExportedProgram, folder: Path) -> None:
+    # Weights beside the graph: one ONNX file holds at most 2 GB.
+    torch.onnx.export(program, (), dynamo=True, verbose=False).save(folder / "model.onnx", external_data=True)
+
+
+def _onnx_load(folder: Path) -> tuple[Runner, dict[str, Any]]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(folder / "model.onnx", providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+
+    def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = session.run(None, {name: t.contiguous().numpy() for name, t in zip(names, tensors, strict=True)})
+        return [torch.from_numpy(output) for output in outputs]
+
+    return run, {"precision": "f32", "threads": session.get_session_options().intra_op_num_threads or "default"}
+
+
+PEERS = {peer.name: peer for peer in (
+    Peer("openvino", "openvino", _openvino_convert, _openvino_loader(None),
+         "OpenVINO at the inference precision it picks for this CPU (bf16 where the CPU has AMX or AVX512-BF16)"),
+    Peer("openvino-f32", "openvino", _openvino_convert, _openvino_loader("f32"),
+         "OpenVINO with INFERENCE_PRECISION_HINT=f32"),
+    Peer("onnxruntime", "onnxruntime", _onnx_convert, _onnx_load,
+         "ONNX Runtime, CPU execution provider, from torch.onnx.export(dynamo=True)"),
+)}
