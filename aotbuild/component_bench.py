@@ -221,6 +221,11 @@ def _errors(output: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
     return {"max_abs_error": error, "max_rel_error": error / max(expected.abs().max().item(), 1e-6)}
 
 
+# A pause before each timed call: each runtime's worker threads spin-wait for a while after a call
+# (ONNX Runtime's, OpenMP's), and would take the cores from the runtime timed next.
+SETTLE_S = 0.05
+
+
 def _rounds(runtimes: dict[str, _Runtime], rounds: int) -> dict[str, list[float]]:
     """Seconds of each runtime's call per round, after one untimed call each; the order rotates
     every round, so no runtime always follows the same one."""
@@ -230,6 +235,7 @@ def _rounds(runtimes: dict[str, _Runtime], rounds: int) -> dict[str, list[float]
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            time.sleep(SETTLE_S)
             start = time.perf_counter()
             runtimes[name].call()
             times[name].append(time.perf_counter() - start)
