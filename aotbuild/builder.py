@@ -1267,10 +1267,7 @@ def _validate(out: Path, manifest: dict[str, Any], reference: dict, points: dict
                     raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
                                      f"{points[point]}")
                 with torch.no_grad():
-                    result = _first_output(variant.run(leaves))
-                expected = _flat(call.output).float().to(device)
-                error = (result.float() - expected).abs().max().item()
-                errors[str(points[point])] = (error, error / max(expected.abs().max().item(), 1e-6))
+                    errors[str(points[point])] = output_error(variant.run(leaves), call.output)
             worst_abs, worst_rel = max(errors.values(), key=lambda e: e[1] if e[1] == e[1] else float("inf"))
             variant_entry["numerics"] = {
                 "max_abs_error": worst_abs, "max_rel_error": worst_rel, "tolerance": tolerance,
@@ -1322,6 +1319,14 @@ def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, pla
             failures.append(f"{component} {name}: CUDA graph replay differs from the plain run by {diff:.3g} "
                             f"(relative) > {GRAPH_TOLERANCE:g}")
     return failures
+
+
+def output_error(result: Any, expected: Any) -> tuple[float, float]:
+    """(largest absolute difference, that / the largest absolute value of `expected`) between a
+    model's sample (`_first_output`) and the eager float32 one: the build's numerics, and the bench's."""
+    got, want = _first_output(result).float(), _flat(expected).float()
+    error = (got - want.to(got.device)).abs().max().item()
+    return error, error / max(want.abs().max().item(), 1e-6)
 
 
 def _first_output(result: Any) -> torch.Tensor:

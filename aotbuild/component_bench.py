@@ -69,6 +69,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     """
     from .backends import built_artifact
     from .bench import write_document
+    from .builder import output_error
     from .manifest import environment, read_manifest
     from .pipelines import pipeline_spec
     from .targets import load_target
@@ -96,8 +97,11 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         for case in (c for c in cases if c not in skipped):
             say(f"preparing {case}")
             runtimes[case] = _prepare(case, target, spec, folder, reference, call, runtimes, converted, Path(work))
-            output = _first_tensor(runtimes[case].call())
-            runtimes[case].figures |= _errors(output, _first_tensor(call.output))
+            start = time.perf_counter()
+            output = runtimes[case].call()
+            runtimes[case].figures["first_call_s"] = time.perf_counter() - start
+            error, relative = output_error(output, call.output)
+            runtimes[case].figures |= {"max_abs_error": error, "max_rel_error": relative}
         say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
         with _spinning(busy):
             times = _rounds(runtimes, rounds)
@@ -210,15 +214,6 @@ def _in_dtype(call: Any, dtype: torch.dtype) -> tuple[tuple, dict]:
     """The call with its floating-point tensors in `dtype` (what a pipeline of that dtype passes)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
                                 (call.args, call.kwargs))
-
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    return next(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
-
-
-def _errors(output: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
-    error = (output.float() - expected.float()).abs().max().item()
-    return {"max_abs_error": error, "max_rel_error": error / max(expected.abs().max().item(), 1e-6)}
 
 
 # A pause before each timed call: each runtime's worker threads spin-wait for a while after a call

@@ -153,6 +153,7 @@ def test_component_bench_runs_every_runtime_on_the_pipelines_own_call(built, tmp
     for case, figures in runtimes.items():
         assert figures["max_rel_error"] < (1e-6 if case == "eager" else 1e-4), case  # float32: rounding alone
         assert len(figures["values"]) == 3 and figures["call_s"] > 0 and figures["ratio_to_aot"] > 0
+        assert figures["first_call_s"] > 0
     assert runtimes["aot"]["ratio_to_aot"] == 1 and runtimes["aot-model"]["variant"] == "b1_64x64"
     assert runtimes["openvino-f32"]["precision"] == "f32"
     assert runtimes["openvino"]["convert_s"] == runtimes["openvino-f32"]["convert_s"] > 0  # converted once
