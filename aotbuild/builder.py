@@ -248,7 +248,9 @@ def _open_lock(staging_root: Path, path: Path) -> Any:
     """The lock file, opened for appending (never truncated before it is held: the holder's record
     stays readable); `staging_root` is made again when a finishing build removed it meanwhile."""
     while True:
-        staging_root.mkdir(parents=True, exist_ok=True)
+        # exist_ok does not cover a folder removed between mkdir's own two checks: open then retries
+        with contextlib.suppress(FileExistsError):
+            staging_root.mkdir(parents=True, exist_ok=True)
         try:
             return open(path, "a+")
         except FileNotFoundError:

@@ -309,7 +309,7 @@ def test_build_locks_stay_exclusive_while_finished_builds_remove_them(tmp_path):
 
     from aotbuild.builder import _target_lock
 
-    staging_root, inside, overlaps = tmp_path / ".staging", [], []
+    staging_root, inside, overlaps, done = tmp_path / ".staging", [], [], []
 
     def one_build(i: int) -> None:
         for _ in range(5):
@@ -320,6 +320,7 @@ def test_build_locks_stay_exclusive_while_finished_builds_remove_them(tmp_path):
                 time.sleep(0.01)
                 (staging_dir / f"build-{i}").rmdir()
                 inside.remove(i)
+                done.append(i)
 
     threads = [threading.Thread(target=one_build, args=(i,)) for i in range(6)]
     for thread in threads:
@@ -327,6 +328,7 @@ def test_build_locks_stay_exclusive_while_finished_builds_remove_them(tmp_path):
     for thread in threads:
         thread.join()
     assert overlaps == [] and not staging_root.exists()
+    assert sorted(done) == sorted(list(range(6)) * 5)  # no build failed to take its turn
 
 
 def test_build_waiting_for_the_lock_checks_freshness_again(built, tiny_target, tmp_path):
