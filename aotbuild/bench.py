@@ -41,7 +41,11 @@ TILING_CASE = "aot-tiling"
 # Opt-in: the target built with [compile] mode = "regional" (as `<target>-regional`). With it in the
 # run, the whole-model and the regional artifact are both built afresh first, one after the other.
 REGIONAL_CASE = "aot-regional"
-EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE, REGIONAL_CASE)
+# Opt-in: steady images with diffusers' First-Block Cache on a regional artifact's denoiser
+# (`enable_cache`), alternating with the same calls uncached, in the same process.
+CACHE_CASE = "aot-cache"
+CACHE_THRESHOLD = 0.2  # diffusers' own example's; the images' difference to uncached is reported beside it
+EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE, REGIONAL_CASE, CACHE_CASE)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -73,6 +77,11 @@ FIGURES = {
     "tiled_decode_s": "the same latents with vae.enable_tiling(): tile model, diffusers' blending (aot-tiling)",
     "tiled_over_untiled": "tiled_decode_s / untiled_decode_s, median of paired runs (aot-tiling)",
     "tiles": "tiles per decode (aot-tiling)",
+    "cached_image_s": "steady image latency with First-Block Cache on the regional denoiser (aot-cache)",
+    "uncached_image_s": "the same calls without it, alternating with the cached ones (aot-cache)",
+    "cached_over_uncached": "cached_image_s / uncached_image_s, median of paired runs (aot-cache)",
+    "cache_max_abs": "largest difference of a cached image's pixels (0-1) from the uncached image (aot-cache)",
+    "cache_threshold": "the First-Block Cache threshold used (aot-cache)",
 }
 BENCH_NAME = "bench.json"
 # A bench process that runs longer than this is stopped: a hang fails the bench instead of stalling it.
@@ -179,12 +188,16 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
     builds: dict[str, float] = {}
-    if REGIONAL_CASE in cases:
+    # aot-regional compares fresh builds of both; aot-cache on a whole-model target runs on the
+    # regional sibling (built here unless aot-regional builds it).
+    to_build = ("aot", REGIONAL_CASE) if REGIONAL_CASE in cases else \
+        (CACHE_CASE,) if CACHE_CASE in cases and target.compile_mode != "regional" else ()
+    if to_build:
         regional_target(target)  # refused here, before any build, when the target cannot be regional
-        for case in ("aot", REGIONAL_CASE):
-            if progress:
-                progress(f"building {case}: aotbuild build --force, fresh process, empty inductor cache")
-            builds[case] = _run_build(case, target_path, artifacts_dir)
+    for case in to_build:
+        if progress:
+            progress(f"building {case}: aotbuild build --force, fresh process, empty inductor cache")
+        builds[case] = _run_build(case, target_path, artifacts_dir)
     folder = built_artifact(target, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     meta = {"target": target.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
@@ -277,7 +290,9 @@ def _case_target(case: str, target_path: str) -> Any:
     from .targets import load_target
 
     target = load_target(target_path)
-    return regional_target(target) if case == REGIONAL_CASE else target
+    # A step cache runs in Python around compiled blocks: on a whole-model target, its regional sibling.
+    regional = case == REGIONAL_CASE or (case == CACHE_CASE and target.compile_mode != "regional")
+    return regional_target(target) if regional else target
 
 
 def _run_build(case: str, target_path: str, artifacts_dir: Path) -> float:
@@ -429,11 +444,13 @@ def _worker(args: argparse.Namespace) -> None:
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
     figures["artifact_mib"] = figures["package_mib"] = figures["weights_read_s"] = figures["load_over_floor"] = None
-    figures.update(dict.fromkeys(f for f in FIGURES if f.startswith("lora_") or "tile" in f))
+    figures.update(dict.fromkeys(f for f in FIGURES if f.startswith("lora_") or "tile" in f or "cache" in f))
     if args.case == LORA_CASE:
         figures.update(_lora_switches(pipe, Path(args.out).parent / f"loras-{os.getpid()}"))
     if args.case == TILING_CASE:
         figures.update(_tiled_against_untiled(pipe, bucket, args.steady))
+    if args.case == CACHE_CASE:
+        figures.update(_cached_against_uncached(pipe, call, args.steady))
     if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
         figures["package_mib"] = sum(p.stat().st_size for p in artifact.glob("*.pt2")) / 2**20
@@ -559,6 +576,32 @@ def _tiled_against_untiled(pipe: Any, bucket: Any, runs: int) -> dict[str, Any]:
     return {"untiled_decode_s": statistics.median(untiled), "tiled_decode_s": statistics.median(tiled),
             "tiled_over_untiled": statistics.median(t / u for t, u in zip(tiled, untiled, strict=True)),
             "tiles": tiles}
+
+
+def _cached_against_uncached(pipe: Any, call: Any, runs: int) -> dict[str, Any]:
+    """The same call uncached and with First-Block Cache on the denoiser, alternating, `runs` + 1
+    times each (the first pair warms up); the images compared with each other."""
+    import numpy as np
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    denoiser = next(m for m in pipe.components.values() if getattr(m, "denoiser", False))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    pixels: dict[bool, Any] = {}
+    for _ in range(runs + 1):
+        for cached in (False, True):
+            if cached:
+                denoiser.enable_cache(FirstBlockCacheConfig(threshold=CACHE_THRESHOLD))
+            try:
+                made = call()
+            finally:
+                if cached:
+                    denoiser.disable_cache()
+            times[cached].append(made.total_s)
+            pixels[cached] = np.asarray(made.images, dtype=np.float32) / 255
+    uncached, cached = times[False][1:], times[True][1:]
+    return {"cached_image_s": statistics.median(cached), "uncached_image_s": statistics.median(uncached),
+            "cached_over_uncached": statistics.median(c / u for c, u in zip(cached, uncached, strict=True)),
+            "cache_max_abs": float(np.abs(pixels[True] - pixels[False]).max()), "cache_threshold": CACHE_THRESHOLD}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -367,7 +367,9 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
                               "aot-dynamic (the dynamic model at the first bucket's shape), aot-cuda-graphs and "
                               "aot-no-cuda-graphs (CUDA targets: graphs forced on / off), aot-lora (LoRA switches), "
                               "aot-tiling (the first bucket decoded whole and by tiles), aot-regional (the target "
-                              "built with [compile] mode = \"regional\"; both builds are timed afresh first); with "
+                              "built with [compile] mode = \"regional\"; both builds are timed afresh first), "
+                              "aot-cache (First-Block Cache on the regional denoiser against uncached; a whole-model "
+                              "target's regional build is made first); with "
                               "--serve: backends (default: aot,eager,compile)")
 @click.option("--quick", is_flag=True, help="a first look in a few minutes: eager and aot only (unless --cases), "
                                             "1 repetition, 2 steps, 1 steady image (an option given as well wins)")

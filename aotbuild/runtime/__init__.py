@@ -5,7 +5,8 @@ One module per concern: `cache` (extracted packages, verified weights, what is t
 `weights` (layouts, binding checks, borrowed views), `variant` (one compiled model, and what
 the models of one load share), `graphs` (CUDA graphs), `component` (the stand-in module),
 `guards` (what a stand-in refuses, and the diffusers pipeline methods that ask first),
-`regional` (a regional denoiser: diffusers' forward calling compiled blocks), `autoencoder` (the
+`regional` (a regional denoiser: diffusers' forward calling compiled blocks), `step_cache`
+(diffusers' step caches, `enable_cache`, on those blocks), `autoencoder` (the
 VAE's stand-in: diffusers' encode and decode over the compiled parts), `load` (the public entry
 points).
 

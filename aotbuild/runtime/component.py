@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
 from ..pipelines import SIZED_BY_IMAGE, TEXT, frames_around, pipeline_spec
+from . import step_cache
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
@@ -237,10 +238,42 @@ class CompiledComponent(StandIn):
             self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
         return self._lora
 
+    # -- step caches: diffusers' CacheMixin (step_cache) ----------------------------------------
+
+    def _step_cache_model(self) -> torch.nn.Module | None:
+        """The model tree a step cache hooks: a regional component's (None: one compiled graph)."""
+        return None
+
+    def enable_cache(self, config: Any) -> None:
+        """diffusers' `enable_cache(config)`: on a regional artifact, the hooks go where diffusers
+        puts them on the eager model, around the compiled blocks; refused where they cannot work."""
+        if not step_cache.takes_caches(self.config):
+            raise MissingAttributeError(self.component_name, "enable_cache", message=(
+                f"{self.component_name} ({self.config['_class_name']}) has no enable_cache, eager or compiled: "
+                f"diffusers' step caches are for its transformers (CacheMixin)"), hint="run without a step cache")
+        with self._lock:
+            step_cache.enable(self.component_name, self._step_cache_model(), dict(self.config), config)
+
+    def disable_cache(self) -> None:
+        """diffusers' `disable_cache()`: the next call runs every block again."""
+        model = self._step_cache_model()
+        if step_cache.enabled(model):
+            with self._lock:
+                model.disable_cache()
+
+    @property
+    def is_cache_enabled(self) -> bool:
+        return step_cache.enabled(self._step_cache_model())
+
+    def _reset_stateful_cache(self, recurse: bool = True) -> None:
+        """What diffusers calls as a pipeline call ends: the cache starts afresh with the next one."""
+        if self.is_cache_enabled:
+            self._step_cache_model()._reset_stateful_cache(recurse)
+
     def cache_context(self, name: str, **where: Any) -> contextlib.AbstractContextManager:
         """diffusers' CacheMixin hook (Flux enters it around each call; Wan says where the loop is:
-        step_index, sigma); nothing to cache here."""
-        return contextlib.nullcontext()
+        step_index, sigma): the cache's state for that call, if a cache is on."""
+        return step_cache.context(self._step_cache_model(), name, **where)
 
     # -- calls --------------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
+from . import step_cache
 from .component import CompiledComponent, unsupported_call
 from .lora import meta_model
 from .variant import CompiledVariant, LoadContext
@@ -27,7 +30,26 @@ from .variant import CompiledVariant, LoadContext
 
 class CompiledBlock(torch.nn.Module):
     """One block instance in the model's module tree: its region's compiled variants, bound to its
-    own weights; runs the variant the component chose for the current call."""
+    own weights; runs the variant the component chose for the current call. Instances are of
+    `CompiledBlock.of(eager class)`, which diffusers' hooks read as they read the eager block."""
+
+    eager_class: type | None = None
+
+    @staticmethod
+    @functools.cache
+    def of(eager: type) -> type[CompiledBlock]:
+        """The compiled block class standing in for the eager block class `eager`: its name, its
+        forward's signature (hooks find `hidden_states` by position in it) and its entry in
+        diffusers' block registry (which outputs are the hidden states)."""
+
+        def forward(self: CompiledBlock, *args: Any, **kwargs: Any) -> Any:
+            return CompiledBlock.forward(self, *args, **kwargs)
+
+        forward.__signature__ = inspect.signature(eager.forward)
+        compiled = type(eager.__name__, (CompiledBlock,), {"forward": forward, "eager_class": eager,
+                                                            "__module__": __name__})
+        step_cache.register_block_class(compiled, eager)
+        return compiled
 
     def __init__(self, fqn: str, variants: dict[str, CompiledVariant], state: _CallState) -> None:
         super().__init__()
@@ -69,7 +91,8 @@ class RegionalModel:
         blocks = dataclasses.replace(context, graph_pool=None, tf32=False)
         for region in entry["regions"]:
             for fqn in region["instances"]:
-                self.blocks[fqn] = CompiledBlock(fqn, self._open_block(package, region, fqn, weights, sha256, layouts,
+                block_class = CompiledBlock.of(type(self.model.get_submodule(fqn)))
+                self.blocks[fqn] = block_class(fqn, self._open_block(package, region, fqn, weights, sha256, layouts,
                                                                        blocks), self.state)
                 parent, _, leaf = fqn.rpartition(".")
                 setattr(self.model.get_submodule(parent), leaf, self.blocks[fqn])
@@ -138,6 +161,13 @@ class RegionalVariant(CompiledVariant):
         self._run = self._forward_flat
         self._init_calls(entry["in_spec"], entry["out_spec"])
 
+    def _run_unlocked(self, leaves: list[tuple[str, Any]]) -> Any:
+        if self.graph_pool is not None and step_cache.enabled(self._regional.model):
+            # A step cache decides in Python, on values read back, which blocks run: a graph
+            # replays one fixed sequence of kernels, so the forward runs its blocks ungraphed.
+            return self._run_direct(leaves)
+        return super()._run_unlocked(leaves)
+
     def _forward_flat(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         given = iter(tensors)
         leaves = [next(given) if "value" not in leaf else value for leaf, value in zip(self.inputs, self._values,
@@ -158,6 +188,9 @@ class RegionalComponent(CompiledComponent):
     def __init__(self, *args: Any, regional: RegionalModel, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.regional = [regional]  # a list: not registered as a submodule (`.to()` moves nothing)
+
+    def _step_cache_model(self) -> torch.nn.Module:
+        return self.regional[0].model
 
     def _bind(self, tensors: dict[str, torch.Tensor]) -> None:
         self.regional[0].rebind(tensors)

@@ -214,6 +214,9 @@ class CompiledVariant:
             tensors = [self._converted(path, leaf, expected) for (path, leaf), expected
                        in zip(leaves, self.inputs, strict=True) if isinstance(leaf, torch.Tensor)]
             return pytree.tree_unflatten(self._cuda_graph(tensors)(tensors), self.out_spec)
+        return self._run_direct(leaves)
+
+    def _run_direct(self, leaves: list[tuple[str, Any]]) -> Any:
         tensors = self._prepare(leaves)
         # The runner launches on the current device's stream: make that this model's device.
         with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
