@@ -44,7 +44,7 @@ REGIONAL_CASE = "aot-regional"
 # Opt-in: steady images with diffusers' First-Block Cache on a regional artifact's denoiser
 # (`enable_cache`), alternating with the same calls uncached, in the same process.
 CACHE_CASE = "aot-cache"
-CACHE_THRESHOLD = 0.2  # diffusers' own example's; the images' difference to uncached is reported beside it
+CACHE_THRESHOLD = 0.2  # default: diffusers' own example's; the images' difference to uncached is reported beside it
 EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE, REGIONAL_CASE, CACHE_CASE)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
@@ -158,8 +158,10 @@ def format_table(document: dict[str, Any], ratios: tuple[str, ...] = DEFAULT_RAT
 
 
 def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps: int = 4, steady: int = 3,
-              cases: tuple[str, ...] = CASES, progress: Any = None) -> dict[str, Any]:
+              cases: tuple[str, ...] = CASES, progress: Any = None,
+              cache_threshold: float = CACHE_THRESHOLD) -> dict[str, Any]:
     """Run every case `repeats` times in fresh processes; write and return bench.json.
+    `cache_threshold`: First-Block Cache's, in case aot-cache.
 
     Raises:
         AotbuildError: unknown case, missing artifact, or a worker failure (with its stderr).
@@ -187,6 +189,8 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
                             f"than a tile ({_tile_pixels(target)} px); {target.name} lacks one")
     if "compile-cached" in cases and "compile" not in cases:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
+    if CACHE_CASE in cases:
+        _check_takes_caches(target)
     builds: dict[str, float] = {}
     # aot-regional compares fresh builds of both; aot-cache on a whole-model target runs on the
     # regional sibling (built here unless aot-regional builds it).
@@ -210,7 +214,8 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
                 if progress:
                     progress(f"repetition {rep + 1}/{repeats}: {case}{_eta(started, seconds, rep, case, repeats)}")
                 start = time.perf_counter()
-                figures = _run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work))
+                figures = _run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work),
+                                      cache_threshold)
                 seconds[case] += time.perf_counter() - start
                 runs[case].append({**figures, "build_s": builds.get(case)})
             # Each repetition ends written: an interrupted bench keeps what it measured.
@@ -318,7 +323,7 @@ def _run_child(cmd: list[str], env: dict[str, str], timeout: float, what: str) -
 
 
 def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, steady: int,
-                mega_cache: Path, work: Path) -> dict[str, Any]:
+                mega_cache: Path, work: Path, cache_threshold: float = CACHE_THRESHOLD) -> dict[str, Any]:
     out = work / f"{case}-{time.monotonic_ns()}.json"
     # Each process gets an empty inductor cache: `compile` pays its real cold cost, and
     # `compile-cached` starts from the mega-cache alone. Artifacts are read from a cold page cache.
@@ -329,7 +334,8 @@ def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, st
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "aotbuild.bench", "--case", case, "--target", str(target_path),
            "--artifacts", str(artifacts_dir), "--steps", str(steps), "--steady", str(steady),
-           "--mega-cache", str(mega_cache), "--out", str(out), "--spawn-time", repr(time.time())]
+           "--mega-cache", str(mega_cache), "--out", str(out), "--spawn-time", repr(time.time()),
+           "--cache-threshold", repr(cache_threshold)]
     _run_child(cmd, env, WORKER_TIMEOUT_S, f"bench case {case}")
     if not out.is_file():
         raise BenchError(f"bench case {case} ended without writing its results")
@@ -450,7 +456,7 @@ def _worker(args: argparse.Namespace) -> None:
     if args.case == TILING_CASE:
         figures.update(_tiled_against_untiled(pipe, bucket, args.steady))
     if args.case == CACHE_CASE:
-        figures.update(_cached_against_uncached(pipe, call, args.steady))
+        figures.update(_cached_against_uncached(pipe, call, args.steady, args.cache_threshold))
     if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
         figures["package_mib"] = sum(p.stat().st_size for p in artifact.glob("*.pt2")) / 2**20
@@ -578,7 +584,21 @@ def _tiled_against_untiled(pipe: Any, bucket: Any, runs: int) -> dict[str, Any]:
             "tiles": tiles}
 
 
-def _cached_against_uncached(pipe: Any, call: Any, runs: int) -> dict[str, Any]:
+def _check_takes_caches(target: Any) -> None:
+    """Case aot-cache refused before any build when the target's denoiser has no step caches in
+    diffusers (UNets), where its configs are on this machine (a Hub source's worker says so)."""
+    from .runtime.step_cache import takes_caches
+    from .sources import local_folder, read_configs
+
+    folder = local_folder(target.source, target.base_dir)
+    configs = read_configs(folder) if folder is not None else {}
+    attribute = next((a for a in ("transformer", "unet") if a in configs), None)
+    if attribute is not None and not takes_caches(configs[attribute]):
+        raise AotbuildError(f"case {CACHE_CASE}: {target.name}'s {attribute} ({configs[attribute]['_class_name']}) "
+                            f"has no step caches in diffusers (enable_cache is on its transformers)")
+
+
+def _cached_against_uncached(pipe: Any, call: Any, runs: int, threshold: float) -> dict[str, Any]:
     """The same call uncached and with First-Block Cache on the denoiser, alternating, `runs` + 1
     times each (the first pair warms up); the images compared with each other."""
     import numpy as np
@@ -590,7 +610,7 @@ def _cached_against_uncached(pipe: Any, call: Any, runs: int) -> dict[str, Any]:
     for _ in range(runs + 1):
         for cached in (False, True):
             if cached:
-                denoiser.enable_cache(FirstBlockCacheConfig(threshold=CACHE_THRESHOLD))
+                denoiser.enable_cache(FirstBlockCacheConfig(threshold=threshold))
             try:
                 made = call()
             finally:
@@ -601,7 +621,7 @@ def _cached_against_uncached(pipe: Any, call: Any, runs: int) -> dict[str, Any]:
     uncached, cached = times[False][1:], times[True][1:]
     return {"cached_image_s": statistics.median(cached), "uncached_image_s": statistics.median(uncached),
             "cached_over_uncached": statistics.median(c / u for c, u in zip(cached, uncached, strict=True)),
-            "cache_max_abs": float(np.abs(pixels[True] - pixels[False]).max()), "cache_threshold": CACHE_THRESHOLD}
+            "cache_max_abs": float(np.abs(pixels[True] - pixels[False]).max()), "cache_threshold": threshold}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -615,6 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mega-cache")
     parser.add_argument("--out")
     parser.add_argument("--spawn-time", type=float)
+    parser.add_argument("--cache-threshold", type=float, default=CACHE_THRESHOLD)
     args = parser.parse_args(argv)
     if args.build:
         from .builder import build

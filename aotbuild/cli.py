@@ -383,12 +383,15 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
 @click.option("--rounds", type=click.IntRange(1), default=20, show_default=True, help="with --component: timed rounds")
 @click.option("--busy", type=click.IntRange(0), default=0, show_default=True,
               help="with --component: processes spinning on the CPU beside the timed rounds (replicas sharing cores)")
+@click.option("--cache-threshold", type=click.FloatRange(0, min_open=True), default=0.2, show_default=True,
+              help="with case aot-cache: First-Block Cache's threshold (higher skips more)")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
               envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, quick: bool, serve_bench: bool,
-          port: int, component: str | None, rounds: int, busy: int, plot_path: Path | None, artifacts: Path) -> None:
+          port: int, component: str | None, rounds: int, busy: int, cache_threshold: float, plot_path: Path | None,
+          artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json after
     each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
     target, most of it torch.compile; --quick is a first look. With --component: one component
@@ -396,8 +399,10 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     from .bench import BENCH_NAME, CASES, DEFAULT_RATIOS, REGIONAL_CASE, REGIONAL_RATIOS, format_table, plot, run_bench
     from .targets import load_target
 
-    given = {name for name in ("repeats", "steps", "steady", "cases", "rounds")
+    given = {name for name in ("repeats", "steps", "steady", "cases", "rounds", "cache_threshold")
              if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if "cache_threshold" in given and "aot-cache" not in (_listed(cases) or ()):
+        raise AotbuildError("--cache-threshold goes with case aot-cache (--cases ...,aot-cache)")
     if component is not None:
         from .component_bench import component_bench_name, format_component_table, run_component_bench
 
@@ -435,7 +440,7 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
         click.echo(f"wrote {artifacts / target.name / SERVE_BENCH_NAME}")
         return
     document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady, cases=chosen or CASES,
-                         progress=progress)
+                         progress=progress, cache_threshold=cache_threshold)
     click.echo(format_table(document, REGIONAL_RATIOS if REGIONAL_CASE in document["runs"] else DEFAULT_RATIOS))
     click.echo(f"wrote {artifacts / target.name / BENCH_NAME}")
     if plot_path:

@@ -138,6 +138,33 @@ def test_bench_without_artifact_or_with_unknown_case(tmp_path):
                                        "--artifacts", str(tmp_path), "--cases", "aot-tiling"])
     assert result.exit_code == 1 and ("case aot-tiling needs vae_decoder = { tiling = true } and a first bucket "
                                       "larger than a tile (64 px); cpu-tiny-sd15 lacks one") in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+                                       "--artifacts", str(tmp_path), "--cases", "aot-cache"])
+    assert result.exit_code == 1 and ("case aot-cache: cpu-tiny-sdxl's unet (UNet2DConditionModel) has no step "
+                                      "caches in diffusers") in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+                                       "--artifacts", str(tmp_path), "--cache-threshold", "0.3"])
+    assert result.exit_code == 1 and "--cache-threshold goes with case aot-cache" in result.output
+
+
+@pytest.mark.slow
+def test_cache_case_times_first_block_cache_against_uncached(tmp_path_factory, tmp_path):
+    """On tiny regional Flux, 6 steps: a threshold that skips blocks changes the image and is
+    recorded; one below every step's change skips nothing and the images are the same."""
+    target = load_target(TARGETS / "cpu-tiny-flux-regional.toml")
+    folder = build_once(tmp_path_factory, target).folder
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(folder, artifacts / folder.name)
+    for threshold in ("0.4", "0.01"):
+        result = CliRunner().invoke(main, [
+            "bench", "--target", str(TARGETS / "cpu-tiny-flux-regional.toml"), "--artifacts", str(artifacts),
+            "--cases", "aot-cache", "--repeats", "1", "--steps", "6", "--steady", "1", "--cache-threshold", threshold],
+            catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        run = json.loads((artifacts / folder.name / "bench.json").read_text())["runs"]["aot-cache"][0]
+        assert run["cached_image_s"] > 0 and run["uncached_image_s"] > 0 and run["cached_over_uncached"] > 0
+        assert run["cache_threshold"] == float(threshold)
+        assert (run["cache_max_abs"] > 1e-3) if threshold == "0.4" else (run["cache_max_abs"] == 0)
 
 
 @pytest.mark.slow
