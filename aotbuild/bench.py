@@ -202,9 +202,12 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
         if progress:
             progress(f"building {case}: aotbuild build --force, fresh process, empty inductor cache")
         builds[case] = _run_build(case, target_path, artifacts_dir)
-    folder = built_artifact(target, artifacts_dir)
+    # The document goes with the target's own artifact, or with the only one the cases run.
+    ran = {_case_target(case, target_path).name: _case_target(case, target_path) for case in cases}
+    documented = target if target.name in ran else next(iter(ran.values()))
+    folder = built_artifact(documented, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
-    meta = {"target": target.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
+    meta = {"target": documented.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
             "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     started, seconds = time.perf_counter(), {case: 0.0 for case in cases}  # each case's worker time so far
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:

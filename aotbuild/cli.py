@@ -442,7 +442,7 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     document = run_bench(target_name, artifacts, repeats=repeats, steps=steps, steady=steady, cases=chosen or CASES,
                          progress=progress, cache_threshold=cache_threshold)
     click.echo(format_table(document, REGIONAL_RATIOS if REGIONAL_CASE in document["runs"] else DEFAULT_RATIOS))
-    click.echo(f"wrote {artifacts / target.name / BENCH_NAME}")
+    click.echo(f"wrote {artifacts / document['meta']['target'] / BENCH_NAME}")
     if plot_path:
         plot(document, plot_path)
         click.echo(f"wrote {plot_path}")
