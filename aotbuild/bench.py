@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import AotbuildError
+from .openmp import spin_setting
 
 CASES = ("eager", "compile", "compile-cached", "aot")
 # Opt-in: the same artifact served by its dynamic model only, at the first bucket's shape (the
@@ -208,6 +209,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     folder = built_artifact(documented, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     meta = {"target": documented.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
+            "openmp_wait": spin_setting(),
             "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     started, seconds = time.perf_counter(), {case: 0.0 for case in cases}  # each case's worker time so far
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:

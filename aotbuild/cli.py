@@ -61,6 +61,9 @@ class _Group(click.Group):
 @click.version_option(package_name="aotbuild")
 def main(debug: bool) -> None:
     """Build diffusers pipelines into ahead-of-time compiled artifacts, and run them."""
+    from .openmp import use_short_spin
+
+    use_short_spin()  # before any command imports torch
 
 
 @main.command()

@@ -31,6 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import AotbuildError
+from .openmp import spin_setting
 from .peers import PEERS, call_tensors, tensor_program
 
 COMPONENT_CASES = ("aot", "aot-model", "eager", "compile", *PEERS)
@@ -112,6 +113,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             "ratio_to_aot": statistics.median(s / a for s, a in zip(seconds, times[base], strict=True))}
     meta = {"target": target.name, "component": component, "shape": str(target.shapes[0]), "rounds": rounds,
             "busy": busy, "cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "openmp_wait": spin_setting(),
             "ratio_base": base, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if "aot-model" in times:
         meta["stand_in_us"] = statistics.median((a - m) * 1e6 for a, m in zip(times["aot"], times["aot-model"],
@@ -256,7 +258,8 @@ def format_component_table(document: dict[str, Any]) -> str:
 
     meta = document["meta"]
     lines = [f"{meta['target']} {meta['component']} at {meta['shape']}: {meta['rounds']} rounds, "
-             f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside",
+             f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside, OpenMP threads wait: "
+             f"{meta.get('openmp_wait', 'not recorded')}",
              f"{'runtime':<14}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'rel.err':>10}{'prepare s':>11}"
              f"{'convert s':>11}{'disk MiB':>10}  chose"]
     for case, f in document["runtimes"].items():

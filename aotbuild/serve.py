@@ -317,6 +317,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     from ray import serve
 
     from .cluster import forwarded_env, require_ray
+    from .openmp import spin_env
 
     require_ray()
     if artifact is not None and artifact.startswith("hf://"):
@@ -324,7 +325,8 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
 
         check_trusted(artifact, trust_remote_code)
         artifact = pinned(artifact)
-    actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": {**forwarded_env(), **(env or {})}}}
+    env_vars = {**spin_env(), **forwarded_env(), **(env or {})}
+    actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env_vars}}
     if gpu_type:
         actor["accelerator_type"] = gpu_type
     options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": 8}

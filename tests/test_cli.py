@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 from PIL import Image
 
 from aotbuild.cli import main
 
-from .conftest import TARGETS, build_once, eager_pipeline
+from .conftest import ROOT, TARGETS, build_once, eager_pipeline
 
 pytestmark = pytest.mark.slow
 TINY = str(TARGETS / "cpu-tiny-sdxl.toml")
@@ -165,3 +169,23 @@ def test_run_needs_one_of_target_or_artifact():
         "hint: give --target cpu-tiny-sdxl (it runs artifacts/cpu-tiny-sdxl), or --artifact artifacts/cpu-tiny-sdxl"]
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--prompt", "x", "--strength", "0.5"])
     assert result.exit_code == 1 and "--strength applies to img2img: give --image too" in result.output
+
+
+def test_the_command_line_spins_openmp_threads_briefly_unless_told(tmp_path):
+    """libgomp reads how long to spin when torch loads it: a command sets the short spin in its
+    environment before any import of torch (its bench workers and replicas inherit it), and leaves
+    a user's own setting alone."""
+    probe = ("import os, sys; from aotbuild.cli import main; sys.argv = ['aotbuild', 'targets']\n"
+             "imported = 'torch' in sys.modules\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\n"
+             "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), imported)")
+
+    def spin(**env):
+        clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+        result = subprocess.run([sys.executable, "-c", probe], env={**clean, **env}, capture_output=True, text=True,
+                                cwd=ROOT, check=True)
+        return result.stdout.split("\n")[-2]
+
+    assert spin() == "10000 None False"  # torch not loaded before the command sets it
+    assert spin(OMP_WAIT_POLICY="PASSIVE") == "None PASSIVE False"
+    assert spin(GOMP_SPINCOUNT="0") == "0 None False"

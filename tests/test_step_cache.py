@@ -139,6 +139,20 @@ def test_a_cache_with_a_lora(pipelines, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_cache_on_another_checkpoints_weights(tmp_path_factory):
+    """A fine-tune's weights bound into the regional artifact (`apply`): the cache decides on that
+    checkpoint's values, as on its eager pipeline."""
+    target = load_target(TARGETS / "cpu-tiny-flux-regional.toml")
+    built = build_once(tmp_path_factory, target)
+    finetune, compiled = eager_pipeline(target, seed=7), eager_pipeline(target, seed=7)
+    aotbuild.apply(compiled, built.folder)
+    for pipe in (finetune, compiled):
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
+    np.testing.assert_allclose(run(compiled, target), run(finetune, target), atol=ATOL, rtol=0)
+    assert hasattr(compiled.transformer, "regional")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     PyramidAttentionBroadcastConfig(spatial_attention_block_skip_range=2, current_timestep_callback=lambda: 500),
     FasterCacheConfig(spatial_attention_block_skip_range=2, current_timestep_callback=lambda: 500),
