@@ -146,10 +146,13 @@ def test_a_cache_on_another_checkpoints_weights(tmp_path_factory):
     built = build_once(tmp_path_factory, target)
     finetune, compiled = eager_pipeline(target, seed=7), eager_pipeline(target, seed=7)
     aotbuild.apply(compiled, built.folder)
-    for pipe in (finetune, compiled):
-        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
-    np.testing.assert_allclose(run(compiled, target), run(finetune, target), atol=ATOL, rtol=0)
+    with counted_blocks(compiled) as compiled_blocks, counted_blocks(finetune) as eager_blocks:
+        for pipe in (finetune, compiled):
+            pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
+        np.testing.assert_allclose(run(compiled, target), run(finetune, target), atol=ATOL, rtol=0)
     assert hasattr(compiled.transformer, "regional")
+    blocks = len(compiled.transformer.regional[0].blocks)
+    assert compiled_blocks["calls"] == eager_blocks["calls"] < blocks * STEPS  # skipped as the fine-tune's eager
 
 
 @pytest.mark.slow
