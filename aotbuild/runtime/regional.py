@@ -33,8 +33,6 @@ class CompiledBlock(torch.nn.Module):
     own weights; runs the variant the component chose for the current call. Instances are of
     `CompiledBlock.of(eager class)`, which diffusers' hooks read as they read the eager block."""
 
-    eager_class: type | None = None
-
     @staticmethod
     @functools.cache
     def of(eager: type) -> type[CompiledBlock]:
@@ -46,8 +44,7 @@ class CompiledBlock(torch.nn.Module):
             return CompiledBlock.forward(self, *args, **kwargs)
 
         forward.__signature__ = inspect.signature(eager.forward)
-        compiled = type(eager.__name__, (CompiledBlock,), {"forward": forward, "eager_class": eager,
-                                                            "__module__": __name__})
+        compiled = type(eager.__name__, (CompiledBlock,), {"forward": forward, "__module__": __name__})
         step_cache.register_block_class(compiled, eager)
         return compiled
 
