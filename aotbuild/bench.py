@@ -204,7 +204,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
             progress(f"building {case}: aotbuild build --force, fresh process, empty inductor cache")
         builds[case] = _run_build(case, target_path, artifacts_dir)
     # The document goes with the target's own artifact, or with the only one the cases run.
-    ran = {_case_target(case, target_path).name: _case_target(case, target_path) for case in cases}
+    ran = {t.name: t for t in (_case_target(case, target_path) for case in cases)}
     documented = target if target.name in ran else next(iter(ran.values()))
     folder = built_artifact(documented, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from .bench import CACHE_THRESHOLD
 from .errors import AotbuildError
 
 ARTIFACTS_HELP = "folder holding one artifact folder per target (env AOTBUILD_ARTIFACTS)"
@@ -386,7 +387,7 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
 @click.option("--rounds", type=click.IntRange(1), default=20, show_default=True, help="with --component: timed rounds")
 @click.option("--busy", type=click.IntRange(0), default=0, show_default=True,
               help="with --component: processes spinning on the CPU beside the timed rounds (replicas sharing cores)")
-@click.option("--cache-threshold", type=click.FloatRange(0, min_open=True), default=0.2, show_default=True,
+@click.option("--cache-threshold", type=click.FloatRange(0, min_open=True), default=CACHE_THRESHOLD, show_default=True,
               help="with case aot-cache: First-Block Cache's threshold (higher skips more)")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="also draw a bar chart (needs matplotlib)")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
