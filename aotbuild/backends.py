@@ -14,6 +14,7 @@ import torch
 
 from .errors import AotbuildError
 from .pipelines import (
+    EDITS_SEVERAL,
     FRAMES,
     SIZED_BY_IMAGE,
     TEXT,
@@ -177,7 +178,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
              frames: int | None = None, text: int | None = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
-    cold start shows) and the total. With `image` (a PIL image), img2img: the pipeline's
+    cold start shows) and the total. With `image` (a PIL image; a list of those, edited together
+    by an `EDITS_SEVERAL` pipeline), img2img: the pipeline's
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
     width; `strength` as diffusers takes it. `text`: the call's max_sequence_length (None: its default)."""
     marks: list[float] = []
@@ -203,6 +205,9 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
 
                 pipe = AutoPipelineForImage2Image.from_pipe(pipe)
             pipe.set_progress_bar_config(disable=True)
+        if isinstance(image, list) and type(pipe).__name__ not in EDITS_SEVERAL:
+            raise AotbuildError(f"{type(pipe).__name__} takes one image, not {len(image)}",
+                                hint=f"give --image once; {', '.join(EDITS_SEVERAL)} edits several together")
         # Qwen-Image-Edit sizes its call from the image's aspect ratio: resizing it would squash it.
         sized_by_image = type(pipe).__name__ in SIZED_BY_IMAGE
         call["image"] = image.resize((width, height)) if height and width and not sized_by_image else image

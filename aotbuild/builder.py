@@ -60,6 +60,7 @@ from .pipelines import (
     pipeline_spec,
     plain_attribute,
     resized_image,
+    seeded_image,
     vae_factor,
 )
 from .runtime import CompiledVariant, GraphPool, leaf_signature, load_weights, open_model
@@ -67,7 +68,7 @@ from .runtime.cache import check_artifact_files, mark_verified
 from .runtime.checkpoint import module_tensors
 from .runtime.regional import component_variants
 from .runtime.variant import LoadContext, leaf_name, tf32
-from .targets import ShapeBucket, Target
+from .targets import ShapeBucket, Target, images_text
 
 # Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
 TOLERANCES = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
@@ -121,6 +122,7 @@ class _Stages:
 def variant_name(bucket: ShapeBucket) -> str:
     text = f"_text{bucket.max_sequence_length}" if bucket.max_sequence_length else ""
     edit = f"_image{bucket.image[0]}x{bucket.image[1]}" if bucket.image else ""
+    edit += f"_images{images_text(bucket.images)}" if bucket.images else ""
     frames = f"_{bucket.frames}f" if bucket.frames else ""
     return f"b{bucket.batch}_{bucket.height}x{bucket.width}{frames}{text}{edit}"
 
@@ -484,19 +486,21 @@ class CapturePoint:
     image: tuple[int, int] | None = None  # the size of the image an editing call takes
     frames: int | None = None  # a video's frame count (None: an image pipeline)
     resized: tuple[int, int] | None = None  # the size a SIZED_BY_IMAGE pipeline encodes its image at
+    images: tuple[tuple[int, int], ...] | None = None  # the images an EDITS_SEVERAL call edits together
 
     def __str__(self) -> str:
         size = f"{self.batch}x{self.height}x{self.width}"
         if self.tile_of:
             return f"{self.tile_of} tile {size}"
         edit = f" editing {self.image[0]}x{self.image[1]}" if self.image else ""
+        edit += f" editing {images_text(self.images)}" if self.images else ""
         frames = f" {self.frames} frames" if self.frames else ""
         return size + frames + (f" text {self.text}" if self.text else "") + edit + ("" if self.guided else " unguided")
 
     @property
-    def run(self) -> tuple[int, int, int, bool, int | None, tuple[int, int] | None, int | None]:
+    def run(self) -> tuple[Any, ...]:
         """What a pipeline run at this point is called with: points that share it share the run."""
-        return self.batch, self.height, self.width, self.guided, self.text, self.image, self.frames
+        return self.batch, self.height, self.width, self.guided, self.text, self.image, self.frames, self.images
 
     @property
     def encoded(self) -> tuple[int, int]:
@@ -514,6 +518,7 @@ class VariantPlan:
     points: tuple[str, ...]
     bucket: ShapeBucket | None = None
     ranges: dict[str, Any] | None = None  # dynamic and tile: batch (images), height, width (pixels), stride
+    images: tuple[tuple[int, int], ...] | None = None  # dynamic: the images an EDITS_SEVERAL call edits
 
 
 def _guidance_modes(target: Target, spec: PipelineSpec) -> tuple[bool, ...]:
@@ -540,35 +545,36 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
     for bucket in target.shapes:
         name = variant_name(bucket)
         bucket = dataclasses.replace(bucket, max_sequence_length=bucket.max_sequence_length or text)
-        resized = resized_image(target.pipeline, bucket.height, bucket.width)
         for guided in modes:
             for images in sorted({bucket.batch, 1}, reverse=True):
                 suffix = ("" if images == bucket.batch else ":one") + ("" if guided == modes[0] else ":unguided")
                 points[name + suffix] = CapturePoint(images, bucket.height, bucket.width, guided,
                                                      text=bucket.max_sequence_length, image=bucket.image,
-                                                     frames=bucket.frames, resized=resized)
+                                                     frames=bucket.frames, images=bucket.images)
+        ran = [p for p in points if p.split(":")[0] == name]
+        encoding = _add_resized(target.pipeline, points, [p for p in ran if points[p].guided == modes[0]])
         for s in specs:
-            served = [p for p in points if p.split(":")[0] == name
-                      and (s.denoiser or points[p].guided == modes[0])]
-            # The text does not reach the VAE; its encoder encodes the edited image, its decoder the output.
-            untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None)
-            encoded = bucket.image or resized
-            if s.part == "encoder" and encoded:
-                untexted = dataclasses.replace(untexted, height=encoded[0], width=encoded[1])
+            served = [p for p in ran if s.denoiser or points[p].guided == modes[0]]
+            if s.part == "encoder" and (bucket.image or encoding):  # the edited images' sizes
+                _plan_encoded(plans[s.name], points, encoding or served, bucket.frames)
+                continue
+            # The text does not reach the VAE decoder: it decodes the output.
+            untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None, images=None)
             if s.denoiser:
                 plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
             elif all(plan.bucket != untexted for plan in plans[s.name]):
-                named = variant_name(untexted) if encoded else name
+                named = variant_name(untexted) if points[name].resized else name
                 plans[s.name].append(VariantPlan(named, "bucket", tuple(served), bucket=untexted))
     if target.dynamic:
         ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
         axes = shapes.axes_of(ranges)
-        for probe, size in shapes.range_points(ranges, target.stride, frame_stride).items():
+        probes = shapes.range_points(ranges, target.stride, frame_stride)
+        for probe, size in probes.items():
             at = dict(zip(axes, size, strict=True))
             points[f"dynamic:{probe}"] = CapturePoint(at["batch"], at["height"], at["width"], modes[0],
                                                       text=at.get(TEXT), frames=at.get(shapes.FRAME_AXIS),
-                                                      resized=resized_image(target.pipeline, at["height"],
-                                                                            at["width"]))
+                                                      images=target.dynamic_images)
+        encoding = _add_resized(target.pipeline, points, [f"dynamic:{probe}" for probe in probes])
         both = len(modes) > 1
         unguided = ("dynamic:min:unguided",)
         if both:
@@ -579,11 +585,15 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
         for s in specs:
             served = ("dynamic:base", "dynamic:min", "dynamic:max", *(unguided if both and s.denoiser else ()))
             reached = ranges if s.denoiser else {a: r for a, r in ranges.items() if a != TEXT}
+            if s.part == "encoder" and encoding:  # the edited images' sizes, whatever the output's
+                _plan_encoded(plans[s.name], points, encoding, points["dynamic:base"].frames)
+                continue
             if not s.denoiser and _within_a_bucket(s, [points[p] for p in served], plans[s.name]):
                 continue  # a range of text lengths alone: the VAE sees one size
             video = {"frame_stride": frame_stride} if shapes.FRAME_AXIS in ranges else {}
             plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
-                                             ranges={**reached, "stride": target.stride, **video}))
+                                             ranges={**reached, "stride": target.stride, **video},
+                                             images=target.dynamic_images if s.denoiser else None))
     largest = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
     for s in specs:
         if s.name in target.tiling:
@@ -593,6 +603,38 @@ def _plan(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], vae: A
             served = tuple(f"tile:{s.name}:{probe}" for probe in ("base", "min", "max"))
             plans[s.name].append(VariantPlan("tile", "tile", served, ranges=ranges))
     return points, plans
+
+
+def _add_resized(pipeline: str, points: dict[str, CapturePoint], names: list[str]) -> list[str]:
+    """Where a SIZED_BY_IMAGE pipeline resizes the images it edits: each of these points encodes
+    its first image's size; for each other size its images are resized to, a point of the same
+    run encodes that one (`<point>:image<k>`, its VAE encoder's calls only). Returns the names of
+    every point that encodes an edited image: none for another pipeline."""
+    encoding = []
+    for name in names:
+        point = points[name]
+        edited = point.images or ((point.height, point.width),)
+        sizes = list(dict.fromkeys(resized_image(pipeline, *size) for size in edited))
+        if sizes[0] is None:
+            return []
+        points[name] = dataclasses.replace(point, resized=sizes[0])
+        encoding.append(name)
+        for k, size in enumerate(sizes[1:], start=2):
+            points[f"{name}:image{k}"] = dataclasses.replace(point, resized=size)
+            encoding.append(f"{name}:image{k}")
+    return encoding
+
+
+def _plan_encoded(plans: list[VariantPlan], points: dict[str, CapturePoint], served: list[str],
+                  frames: int | None) -> None:
+    """The VAE encoder of an editing pipeline: a bucket at each size it sees an edited image at
+    (Flux Kontext's as given, Qwen-Image-Edit's resized by the pipeline), served by the points
+    that encode one at that size, unless a bucket of that size and batch is planned."""
+    for size in dict.fromkeys(points[p].encoded for p in served):
+        at = tuple(p for p in served if points[p].encoded == size)
+        bucket = ShapeBucket(max(points[p].batch for p in at), *size, frames=frames)
+        if all(plan.bucket != bucket for plan in plans):
+            plans.append(VariantPlan(variant_name(bucket), "bucket", at, bucket=bucket))
 
 
 def _within_a_bucket(spec: ComponentSpec, served: list[CapturePoint], plans: list[VariantPlan]) -> bool:
@@ -672,6 +714,8 @@ def _capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poi
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
+                if point.images:  # an EDITS_SEVERAL call: the images it edits together, in order
+                    extras = {**(extras or {}), "image": [seeded_image(*size) for size in point.images]}
                 with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,
@@ -787,6 +831,7 @@ def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: lis
         entry["bucket"] = {"batch": bucket.batch, "height": bucket.height, "width": bucket.width,
                            **({TEXT: bucket.max_sequence_length} if bucket.max_sequence_length else {}),
                            **({"image": list(bucket.image)} if bucket.image else {}),
+                           **({"images": [list(size) for size in bucket.images]} if bucket.images else {}),
                            **({"frames": bucket.frames} if bucket.frames else {})}
         entry["inputs"] = leaf_signature((call.args, call.kwargs))
         if leaf_dims is not None:
@@ -796,6 +841,8 @@ def _variant_entry(plan: VariantPlan, call: capture.CapturedCall, leaf_dims: lis
                     leaf["dims"] = next(tensor_dims)
     else:
         entry["dynamic"] = dict(plan.ranges)
+        if plan.images:
+            entry["dynamic"]["images"] = [list(size) for size in plan.images]
         entry["inputs"] = _dynamic_signature(call, leaf_dims)
     if call_batch is not None:
         entry["call_batch"] = call_batch

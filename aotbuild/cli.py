@@ -72,7 +72,7 @@ def main(debug: bool) -> None:
 def targets(targets_dir: Path | None) -> None:
     """List the targets, one line each."""
     from .pipelines import TEXT
-    from .targets import list_targets
+    from .targets import images_text, list_targets
 
     for t in list_targets(targets_dir):
         shapes = ",".join(str(s) for s in t.shapes)
@@ -80,6 +80,7 @@ def targets(targets_dir: Path | None) -> None:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
             shapes += "/{}-{}frames".format(*t.dynamic["frames"]) if "frames" in t.dynamic else ""
             shapes += "/text{}-{}".format(*t.dynamic[TEXT]) if TEXT in t.dynamic else ""
+            shapes += f"/images{images_text(t.dynamic_images)}" if t.dynamic_images else ""
         runtime = (["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
                    + ["regional"] * (t.compile_mode == "regional"))
         runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")
@@ -158,11 +159,12 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 @click.option("--batch", type=click.IntRange(1), help="images per prompt (default: the target's first bucket; "
                                                       "1 with --image)")
 @click.option("--frames", type=click.IntRange(1), help="a video's frames (default: the target's first bucket's)")
-@click.option("--image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--image", "images", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
               help="img2img: start from this image, or edit it (Flux Kontext, FLUX.2, Qwen-Image-Edit), or make a "
                    "video from it (Wan's image-to-video); resized to the height and width (Qwen-Image-Edit: not "
                    "resized, the pipeline sizes its call from its aspect ratio; needs the artifact's vae_encoder, "
-                   "where the VAE is compiled)")
+                   "where the VAE is compiled); repeat it to edit several images together "
+                   "(QwenImageEditPlusPipeline), in order")
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
@@ -181,7 +183,8 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
               help=ARTIFACTS_HELP)
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
-        batch: int | None, frames: int | None, image: Path | None, strength: float | None, output: Path | None,
+        batch: int | None, frames: int | None, images: tuple[Path, ...], strength: float | None,
+        output: Path | None,
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
         trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
@@ -201,7 +204,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     if artifact is not None and backend != "aot":
         raise AotbuildError(f"--artifact runs the artifact; --backend {backend} runs a target's pipeline: "
                             f"give --target")
-    if strength is not None and image is None:
+    if strength is not None and not images:
         raise AotbuildError("--strength applies to img2img: give --image too")
     if output is not None and output.suffix.lower() not in (*IMAGE_SUFFIXES, VIDEO_SUFFIX):
         raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name (.mp4 for a video)")
@@ -238,9 +241,9 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                    f"unconditional pass for it to steer (diffusers ignores it too); raise --guidance-scale above 1",
                    err=True)
     gen = generate(pipe, prompt, steps=steps, seed=seed, height=height or defaults["height"],
-                   width=width or defaults["width"], batch=batch or (1 if image else defaults["batch"]),
-                   guidance_scale=guidance_scale,
-                   negative_prompt=negative_prompt, image=_read_image(image) if image else None, strength=strength,
+                   width=width or defaults["width"], batch=batch or (1 if images else defaults["batch"]),
+                   guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                   image=_read_images(images), strength=strength,
                    frames=frames or defaults["frames"], text=defaults["text"])
     if output:
         for i, picture in enumerate(gen.images):
@@ -256,7 +259,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
     from .pipelines import edits_image
 
-    mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else " img2img") if image else ""
+    mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else " img2img") if images else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")
@@ -266,14 +269,18 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIX = ".mp4"
 
 
-def _read_image(path: Path) -> Any:
+def _read_images(paths: tuple[Path, ...]) -> Any:
+    """--image as the call's `image`: None, one RGB image, or the list of those edited together."""
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        with Image.open(path) as picture:
-            return picture.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
-        raise AotbuildError(f"--image {path}: not an image PIL can read ({exc})") from None
+    pictures = []
+    for path in paths:
+        try:
+            with Image.open(path) as picture:
+                pictures.append(picture.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as exc:
+            raise AotbuildError(f"--image {path}: not an image PIL can read ({exc})") from None
+    return pictures if len(pictures) > 1 else pictures[0] if pictures else None
 
 
 @main.command()

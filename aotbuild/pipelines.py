@@ -422,6 +422,10 @@ def _lcm_stride(stride: Callable[[dict[str, dict]], int], multiple: int, configs
 # image the transformer reads and for the output when the call gives no size. Their signature
 # defaults the image to None, yet they cannot run without one.
 SIZED_BY_IMAGE = {"QwenImageEditPipeline": 1024 * 1024, "QwenImageEditPlusPipeline": 1024 * 1024}
+# Of those, the pipelines whose call edits a list of images together (Qwen-Image-Edit-2509/2511:
+# "Picture 1: ..., Picture 2: ..."), each resized at its own aspect ratio: each image's tokens join
+# the denoiser's sequence and its size is a constant of the compiled model, so a target names them.
+EDITS_SEVERAL = ("QwenImageEditPlusPipeline",)
 
 
 def resized_image(class_name: str, height: int, width: int) -> tuple[int, int] | None:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from .errors import SourceError, TargetError
 from .export import PROFILES, check_inductor_keys, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
-from .pipelines import TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
+from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
 
 DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
@@ -40,8 +41,10 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 class ShapeBucket:
     """A static shape: images (videos) per prompt, pixel size and, where the pipeline's call takes
     it, the text length (None: the pipeline's default), the (height, width) of the image an editing
-    call takes (Flux Kontext: its tokens join the denoiser's sequence; None: text-to-image calls)
-    and a video's frame count (None: an image pipeline). Guidance doubles the denoiser batch."""
+    call takes (Flux Kontext: its tokens join the denoiser's sequence; None: text-to-image calls),
+    the (height, width) of each image a call edits together (`EDITS_SEVERAL`; None: one image of
+    the bucket's own size) and a video's frame count (None: an image pipeline). Guidance doubles
+    the denoiser batch."""
 
     batch: int
     height: int
@@ -49,12 +52,19 @@ class ShapeBucket:
     max_sequence_length: int | None = None
     image: tuple[int, int] | None = None
     frames: int | None = None
+    images: tuple[tuple[int, int], ...] | None = None
 
     def __str__(self) -> str:
         text = f"/text{self.max_sequence_length}" if self.max_sequence_length else ""
         edit = f"/image{self.image[0]}x{self.image[1]}" if self.image else ""
+        edit += f"/images{images_text(self.images)}" if self.images else ""
         frames = f"/{self.frames}frames" if self.frames else ""
         return f"{self.batch}x{self.height}x{self.width}{frames}{text}{edit}"
+
+
+def images_text(images: Sequence[Sequence[int]]) -> str:
+    """The images a call edits together, as a name: 64x64+64x128."""
+    return "+".join(f"{height}x{width}" for height, width in images)
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class Target:
     guidance: str = "both"  # GUIDANCE_MODES
     tiling: tuple[str, ...] = ()  # VAE parts that get a tile variant (vae.enable_tiling())
     dynamic: dict[str, list[int]] | None = None  # {"batch"|"height"|"width"[|"frames"][|TEXT]: [min, max]}
+    dynamic_images: tuple[tuple[int, int], ...] | None = None  # [dynamic] images: as a bucket's `images`
     optimize: dict[str, Any] = field(default_factory=dict)
     inductor: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
@@ -102,8 +113,10 @@ class Target:
         """The resolved target as plain JSON data (no paths of this machine)."""
         data = asdict(self)
         data.pop("base_dir")
-        data["shapes"] = [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(s).items() if v is not None}
+        data["shapes"] = [{k: json.loads(json.dumps(v)) for k, v in asdict(s).items() if v is not None}
                           for s in self.shapes]
+        if data.pop("dynamic_images"):  # kept out when absent: the hashes of other targets stay as they were
+            data["dynamic"] = {**data["dynamic"], "images": [list(size) for size in self.dynamic_images]}
         data["components"] = list(self.components)
         data["tiling"] = list(self.tiling)
         if self.compile_mode == "whole":  # the default leaves the hashes of whole-model targets as they were
@@ -288,11 +301,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"
-        _expect(origin, where, table, dict, "a table {batch, height, width[, frames][, max_sequence_length][, image]}")
-        optional = {TEXT, "image", "frames"}
+        _expect(origin, where, table, dict,
+                "a table {batch, height, width[, frames][, max_sequence_length][, image][, images]}")
+        optional = {TEXT, "image", "images", "frames"}
         if not {"batch", "height", "width"} <= set(table) <= {"batch", "height", "width", *optional}:
             raise TargetError(f"{origin}: key {where!r} needs batch, height, width (and optionally frames, {TEXT}, "
-                              f"image); got {sorted(table)}")
+                              f"image, images); got {sorted(table)}")
         if TEXT in table:
             _check_takes_text(origin, f"{where}.{TEXT}", spec)
         if video != ("frames" in table):
@@ -303,7 +317,9 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         table = dict(table)
         if "image" in table:
             table["image"] = _edited_image(origin, f"{where}.image", table["image"], stride, spec)
-        for dim in sorted(set(table) - {"image"}):
+        if "images" in table:
+            table["images"] = _edited_images(origin, f"{where}.images", table["images"], spec)
+        for dim in sorted(set(table) - {"image", "images"}):
             value = _expect(origin, f"{where}.{dim}", table[dim], int, "a positive integer")
             if value <= 0:
                 raise TargetError(f"{origin}: key '{where}.{dim}' must be positive, got {value}")
@@ -326,7 +342,11 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         shapes.append(bucket)
 
     frame_step = _frame_stride(spec, source, base_dir, origin) if video else None
-    dynamic = _parse_dynamic(origin, raw["dynamic"], stride, spec, guidance_mode, frame_step) \
+    dynamic_table, dynamic_images = raw.get("dynamic"), None
+    if isinstance(dynamic_table, dict) and "images" in dynamic_table:
+        dynamic_table = dict(dynamic_table)
+        dynamic_images = _edited_images(origin, "dynamic.images", dynamic_table.pop("images"), spec)
+    dynamic = _parse_dynamic(origin, dynamic_table, stride, spec, guidance_mode, frame_step) \
         if "dynamic" in raw else None
     for axis in ("height", "width"):
         if dynamic:
@@ -353,6 +373,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         components=tuple(components), description=str(raw.get("description", "")),
         revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, guidance=guidance_mode,
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
+        dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
         base_dir=base_dir,
     )
@@ -401,6 +422,21 @@ def _edited_image(origin: str, key: str, value: Any, stride: int, spec: Any) -> 
             raise TargetError(f"{origin}: key {key!r} = {value}: {side} is not a multiple of {stride}, the pixel "
                               f"stride of this model")
     return value[0], value[1]
+
+
+def _edited_images(origin: str, key: str, value: Any, spec: Any) -> tuple[tuple[int, int], ...]:
+    """`images = [[height, width], ...]`: the images a call of a pipeline that edits several
+    together takes, in order (`EDITS_SEVERAL`). The pipeline resizes each to its own area at the
+    image's aspect ratio, so their aspect ratios are what the compiled model holds."""
+    if spec.class_name not in EDITS_SEVERAL:
+        raise TargetError(f"{origin}: key {key!r}: {spec.class_name}'s call edits no list of images together, so "
+                          f"their sizes are not a shape to choose", hint="QwenImageEditPlusPipeline's does")
+    valid = isinstance(value, list) and value and all(
+        isinstance(size, list) and len(size) == 2 and all(type(v) is int and v > 0 for v in size) for size in value)
+    if not valid:
+        raise TargetError(f"{origin}: key {key!r} must be a list of [height, width] in pixels, one per image a "
+                          f"call edits, got {value!r}")
+    return tuple((height, width) for height, width in value)
 
 
 def _frame_stride(spec: Any, source: str, base_dir: Path, origin: str) -> int:

@@ -18,9 +18,14 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from PIL import Image
 
 import aotbuild
+from aotbuild.backends import generate
 from aotbuild.builder import build
+from aotbuild.capture import capture_prompt
+from aotbuild.cli import main
 from aotbuild.errors import AotbuildError, BuildError, ShapeNotSupportedError, UnsupportedCallError
 from aotbuild.pipelines import UNCURATED, seeded_image
 from aotbuild.runtime.load import UncuratedPipelineWarning
@@ -107,8 +112,6 @@ def test_aotbuild_run_and_bench_call_with_the_pipelines_own_defaults(family):
     """`aotbuild run` and `bench` (backends.generate) pass only the options given (PixArt-Sigma's
     negative prompt defaults to "" and crashed on the None they passed), and time every step
     (PixArt's call takes the older `callback`; its **kwargs swallowed `callback_on_step_end`)."""
-    from aotbuild.backends import generate
-
     target, _, compiled, _ = family
     bucket = target.shapes[0]
     made = generate(compiled, PROMPT, steps=2, seed=0, height=bucket.height, width=bucket.width,
@@ -420,8 +423,59 @@ def test_qwen_image_edit_serves_prompts_as_written_and_refuses_other_sizes_in_th
     assert plus.vae.parts["encoder"].last_variant == "b1_1024x1024"  # its VAE image: 1 MP too
     with pytest.raises(ShapeNotSupportedError, match=r"is \(1, 2, 2\), \(1, 32, 32\), \(1, 32, 32\) in this call "
                                                      r"\(QwenImageEditPlusPipeline\(height=64, width=64\)\), compiled "
-                                                     r"\(1, 2, 2\), \(1, 32, 32\).* edits one image per call"):
+                                                     r"\(1, 2, 2\), \(1, 32, 32\).* edits the images its target "
+                                                     r"names \(a bucket's or \[dynamic\]'s `images`"):
         run_prompt(plus, fox, image=[square, square], height=64, width=64)
+
+
+def test_qwen_image_edit_plus_edits_the_images_its_target_names(tmp_path_factory, tmp_path):
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509/2511) edits a list of images together, each
+    resized to ~1 MP at its own aspect ratio, their tokens in order after the output's: a bucket's
+    or [dynamic]'s `images` names them. The dynamic model serves prompts as written editing a
+    square and a 2:1 image together, with true CFG and without; the bucket edits one 2:1 image
+    into a square output; the VAE encoder is compiled at each size an image is resized to; all ==
+    eager, and so is `aotbuild run` given --image twice. Another order, count or aspect ratio is
+    refused naming the sizes asked for and what the artifact covers."""
+    target, built, compiled, eager = loaded(tmp_path_factory, "cpu-tiny-qwen-image-edit-plus")
+    variants = {v["name"]: v for v in built.manifest["components"]["transformer"]["variants"]}
+    assert set(variants) == {"b1_64x64_images64x128", "dynamic"}
+    assert variants["dynamic"]["dynamic"]["images"] == [[64, 64], [64, 128]]
+    latents = next(i["dims"] for i in variants["dynamic"]["inputs"] if i["path"] == "hidden_states")
+    assert latents == [1, 4 + 32 * 32 + 23 * 45, 16]  # the output's 2x2 patches, then each image's at ~1 MP
+    encoders = built.manifest["components"]["vae_encoder"]["variants"]
+    assert sorted(v["name"] for v in encoders) == ["b1_1024x1024", "b1_736x1440"]
+    square, wide, fox = seeded_image(64, 64), seeded_image(64, 128), "a red fox in the snow "
+    for prompt, call in [("a fox", {}), (fox * 40, {}), (fox, {"true_cfg_scale": 4.0, "negative_prompt": "blurry"})]:
+        call = {"image": [square, wide], "height": 64, "width": 64, **call}
+        np.testing.assert_allclose(run_prompt(compiled, prompt, **call), run_prompt(eager, prompt, **call),
+                                   atol=ATOL, rtol=0)
+        assert compiled.transformer.last_variant == "dynamic"
+    assert compiled.vae.parts["encoder"].last_variant == "b1_736x1440"  # the last image encoded: the 2:1 one
+    # The bucket: the pipeline does not cut prompts, so it serves the token count it was captured at.
+    call, captured = {"image": [wide], "height": 64, "width": 64}, capture_prompt(512)
+    np.testing.assert_allclose(run_prompt(compiled, captured, **call), run_prompt(eager, captured, **call),
+                               atol=ATOL, rtol=0)
+    assert compiled.transformer.last_variant == "b1_64x64_images64x128"
+    covers = (r"this artifact covers: 64x64 px editing a 64x128 px image, 1 image, text length 512; 64x64 px "
+              r"editing 64x64 \+ 64x128 px images together, 1 image, text length 2-500")
+    for images, asked in (([wide, square], r"\(1, 2, 2\), \(1, 23, 45\), \(1, 32, 32\)"),
+                          ([square, wide, wide], r"\(1, 2, 2\), \(1, 32, 32\), \(1, 23, 45\), \(1, 23, 45\)"),
+                          ([square], r"\(1, 2, 2\), \(1, 32, 32\)")):
+        with pytest.raises(ShapeNotSupportedError, match=rf"img_shapes .* is {asked} in this call "
+                                                         rf"\(QwenImageEditPlusPipeline\(height=64, width=64\)\), "
+                                                         rf"compiled .* {covers}"):
+            run_prompt(compiled, fox, image=images, height=64, width=64)
+    # The command line: --image twice edits both, in order.
+    for i, picture in enumerate((square, wide)):
+        picture.save(tmp_path / f"{i}.png")
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", fox, "--steps", "2",
+                                       "--height", "64", "--width", "64", "--image", str(tmp_path / "0.png"),
+                                       "--image", str(tmp_path / "1.png"), "--output", str(tmp_path / "out.png")])
+    assert result.exit_code == 0, result.output
+    want = generate(eager, fox, steps=2, seed=0, height=64, width=64, image=[square, wide],
+                    guidance_scale=target.guidance_scale)
+    got = np.asarray(Image.open(tmp_path / "out.png"), dtype=np.int16)
+    assert np.abs(got - np.asarray(want.images[0], dtype=np.int16)).max() <= 1
 
 
 @pytest.mark.parametrize(("name", "img2img", "call"), [

@@ -166,6 +166,35 @@ def test_an_edited_image_is_a_bucket_shape(tmp_path):
         load_target(write_target(tmp_path, GOOD.replace("width = 64\n", "width = 64\nimage = [64, 64]\n")))
 
 
+def test_the_images_a_call_edits_together_are_a_shape(tmp_path):
+    """QwenImageEditPlusPipeline's buckets and [dynamic] name the images a call edits together,
+    kept through the target's dict (and its hash); another pipeline's cannot, and a bad list is a
+    TargetError naming the key."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-qwen-image-edit").symlink_to(TARGETS / "configs" / "tiny-qwen-image-edit")
+    shipped = (TARGETS / "cpu-tiny-qwen-image-edit-plus.toml").read_text().replace("cpu-tiny-qwen-image-edit-plus", "t")
+    target = load_target(write_target(tmp_path, shipped))
+    assert target.shapes[0].images == ((64, 128),) and str(target.shapes[0]) == "1x64x64/images64x128"
+    assert target.dynamic_images == ((64, 64), (64, 128)) and "images" not in target.dynamic
+    data = target.to_dict()
+    assert data["dynamic"]["images"] == [[64, 64], [64, 128]] and data["shapes"][0]["images"] == [[64, 128]]
+    assert Target.from_dict(data, base_dir=tmp_path) == target
+    other = load_target(write_target(tmp_path, shipped.replace("images = [[64, 64], [64, 128]]\n", "")))
+    assert other.dynamic_images is None and other.content_hash() != target.content_hash()
+    for text, message in (("images = [64, 128]", r"'shapes\[0\].images' must be a list of \[height, width\] in "
+                                                 r"pixels, one per image a call edits, got \[64, 128\]"),
+                          ("images = []", r"'shapes\[0\].images' must be a list"),
+                          ("images = [[64, 0]]", r"got \[\[64, 0\]\]")):
+        with pytest.raises(TargetError, match=message):
+            load_target(write_target(tmp_path, shipped.replace("images = [[64, 128]]", text)))
+    edit = shipped.replace("QwenImageEditPlusPipeline", "QwenImageEditPipeline")
+    with pytest.raises(TargetError, match=r"'shapes\[0\].images': QwenImageEditPipeline's call edits no list of "
+                                          r"images together"):
+        load_target(write_target(tmp_path, edit))
+    with pytest.raises(TargetError, match=r"'dynamic.images': QwenImageEditPipeline's call edits no list"):
+        load_target(write_target(tmp_path, edit.replace("images = [[64, 128]]\n", "")))
+
+
 @pytest.mark.parametrize(("text", "message"), BAD, ids=[m.split("'")[1] if "'" in m else m[:20] for _, m in BAD])
 def test_bad_target_is_target_error(tmp_path, text, message):
     path = write_target(tmp_path, text)

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
-from ..pipelines import SIZED_BY_IMAGE, TEXT, frames_around, pipeline_spec
+from ..pipelines import EDITS_SEVERAL, SIZED_BY_IMAGE, TEXT, frames_around, pipeline_spec
 from . import step_cache
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
@@ -440,12 +440,21 @@ def variant_coverage(entry: dict[str, Any]) -> str:
         if "frames" in d:  # "5-13 frames (1 + multiples of 4) at 32-64x32-64 px (multiples of 16), 1 video"
             step = f" (1 + multiples of {d['frame_stride']})" if d["frames"][0] != d["frames"][1] else ""
             return f"{_span(d['frames'])} frames{step} at {size}, {_images(*d['batch'], 'video')}{text}{suffix}"
-        return f"{size}, {_images(*d['batch'])}{text}{suffix}"
+        return f"{size}{_edited(d)}, {_images(*d['batch'])}{text}{suffix}"
     b = entry["bucket"]
-    edit = f" editing a {b['image'][0]}x{b['image'][1]} px image" if "image" in b else ""
+    edit = f" editing a {b['image'][0]}x{b['image'][1]} px image" if "image" in b else _edited(b)
     if "frames" in b:  # a video: "81 frames at 480x832 px, 1 video"
         return f"{b['frames']} frames at {b['height']}x{b['width']} px, {_images(1, b['batch'], 'video')}{text}{suffix}"
     return f"{b['height']}x{b['width']} px{edit}, {_images(1, b['batch'])}{text}{suffix}"
+
+
+def _edited(covered: dict[str, Any]) -> str:
+    """The images a variant's calls edit, where its target named them (`images`): " editing a
+    64x128 px image", " editing 64x64 + 64x128 px images together"."""
+    sizes = [f"{height}x{width}" for height, width in covered.get("images", ())]
+    if len(sizes) < 2:
+        return "".join(f" editing a {size} px image" for size in sizes)
+    return f" editing {' + '.join(sizes)} px images together"
 
 
 def _span(low_high: tuple[int, int]) -> str:
@@ -542,6 +551,10 @@ def _resized_by_pipeline(call: tuple[str, dict[str, Any]] | None) -> str:
     if call is None or call[0] not in SIZED_BY_IMAGE:
         return ""
     side = math.isqrt(SIZED_BY_IMAGE[call[0]])
+    if call[0] in EDITS_SEVERAL:
+        return (f"; {call[0]} resizes each image to edit to ~{side}x{side} px at its own aspect ratio, and an "
+                f"artifact edits the images its target names (a bucket's or [dynamic]'s `images`; by default one "
+                f"image of the bucket's height x width), in their order")
     return (f"; {call[0]} resizes the image to edit to ~{side}x{side} px at its own aspect ratio, and an artifact "
             f"edits one image per call, of its buckets' aspect ratios (a bucket's height x width is captured "
             f"editing an image of that size)")
@@ -579,6 +592,8 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
             return (f"{_input_name(path)} is {shown} in this call and {traced} in the compiled "
                     f"{component}{_feature(path)}")
     missing = [p for p, spec in expected.items() if p not in given and spec.get("value") not in ("None", "{}")]
+    if missing and missing[0].split(".")[0] in SIZE_CONSTANTS:  # fewer images than compiled
+        return _sizes_not_compiled(component, missing[0].split(".")[0], given, expected, variants)
     if missing:
         return f"the compiled {component} takes {_input_name(missing[0])}, which this call does not pass"
     shapes = ", ".join(f"{path} {list(x.shape)}" for path, x in given.items() if isinstance(x, torch.Tensor))
@@ -624,7 +639,9 @@ def _text_length(variants: list[CompiledVariant], args: tuple, kwargs: dict) -> 
     (Qwen-Image-Edit's edited image)."""
     for variant in variants:
         leaves = variant.flatten(args, kwargs)
-        for (_, leaf), expected in zip(leaves or (), variant.inputs, strict=True):
+        if leaves is None or len(leaves) != len(variant.inputs):  # another structure (more or fewer images)
+            continue
+        for (_, leaf), expected in zip(leaves, variant.inputs, strict=True):
             for d, dim in enumerate(expected.get("dims", ())):
                 if isinstance(dim, dict) and dim["axis"] == TEXT and isinstance(leaf, torch.Tensor):
                     return leaf.shape[d] - dim.get("offset", 0)
