@@ -214,7 +214,8 @@ def test_model_methods_it_cannot_honour_are_refused_naming_the_way(built, tmp_pa
 @slow
 def test_the_plain_diffusers_call_of_a_denoiser_takes_its_defaults(tmp_path_factory):
     """`pipe.unet(sample, t, encoder_hidden_states=..., added_cond_kwargs=...)` leaves out what the
-    pipeline passes (timestep_cond, cross_attention_kwargs): the eager forward's defaults."""
+    pipeline passes (timestep_cond, cross_attention_kwargs): the eager forward's defaults. A dict's
+    keys in another order are the same inputs."""
     from aotbuild import capture
     from aotbuild.pipelines import pipeline_spec
 
@@ -233,6 +234,10 @@ def test_the_plain_diffusers_call_of_a_denoiser_takes_its_defaults(tmp_path_fact
             want = denoiser(eager)(*call.args, **kwargs).sample
             got = denoiser(compiled)(*call.args, **kwargs).sample
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            if "added_cond_kwargs" in kwargs:
+                added = dict(reversed(kwargs["added_cond_kwargs"].items()))
+                got = denoiser(compiled)(*call.args, **{**kwargs, "added_cond_kwargs": added}).sample
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             with pytest.raises(TypeError, match="forward\\(\\): got an unexpected keyword argument 'foo'"):
                 denoiser(compiled)(*call.args, **kwargs, foo=1)
 

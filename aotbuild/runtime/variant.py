@@ -18,7 +18,7 @@ from ..errors import AotbuildError, CorruptArtifactError
 from ..shapes import failed_guard, infer_size, relations_hold, solve
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
-from .weights import Lender, bindable, dtype_name
+from .weights import Lender, bindable, contiguous_strides, dtype_name
 
 SIZES_REMEMBERED = 64  # calls' size sets whose fit a variant keeps (a dynamic model sees many)
 
@@ -63,6 +63,37 @@ def open_model(package: Path, sha256: str, name: str, device: torch.device) -> A
         raise CorruptArtifactError(f"{package}: no compiled library for variant {name}")
     index = device.index if device.type == "cuda" and device.index is not None else -1
     return torch._C._aoti.AOTIModelPackageLoader(os.fspath(folder), name, True, 1, index)
+
+
+def _flattener(spec: pytree.TreeSpec) -> Callable[[Any, list], bool] | None:
+    """A call's flattening for this structure, made once: it appends the call's leaves in `spec`'s
+    order and says whether the call has that structure (a dict's keys in any order). A pipeline's
+    call is tuples, lists, dicts and leaves; for any other node, None (pytree flattens, ~4x slower)."""
+    if spec.is_leaf():
+        return _leaf
+    children = [_flattener(spec.child(i)) for i in range(spec.num_children)]
+    if None in children or spec.type not in (tuple, list, dict):
+        return None
+    kind = spec.type
+    if kind is dict:
+        keys = list(spec.context)
+
+        def mapping(value: Any, leaves: list) -> bool:
+            return type(value) is dict and len(value) == len(keys) and all(
+                key in value and child(value[key], leaves) for key, child in zip(keys, children, strict=True))
+        return mapping
+
+    def sequence(value: Any, leaves: list) -> bool:
+        return type(value) is kind and len(value) == len(children) and all(
+            child(item, leaves) for item, child in zip(value, children, strict=True))
+    return sequence
+
+
+def _leaf(value: Any, leaves: list) -> bool:
+    if type(value) in pytree.SUPPORTED_NODES:  # a container where the model took a leaf
+        return False
+    leaves.append(value)
+    return True
 
 
 @dataclass
@@ -133,6 +164,13 @@ class CompiledVariant:
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
+        # What each leaf of a call must be, read once from the manifest: a tensor (of this static
+        # shape, None where dims vary) or this value's repr (a pipeline calls every step).
+        self._leaf_checks = [("value" not in e, e.get("value"),
+                              tuple(e["shape"]) if "value" not in e and "dims" not in e else None) for e in self.inputs]
+        # Inputs compiled row-major (most): a call's tensor needs only to be contiguous, whatever its batch.
+        self._row_major = ["stride" in e and "layout" not in e and contiguous_strides(e["shape"]) == e["stride"]
+                           for e in self.inputs]
         self._leaf_names = [leaf["path"] for leaf in self.inputs]  # in the order the model's in_spec flattens
         self._sizes_fit: dict[tuple, bool] = {}  # whether a call's tensor sizes fit, by those sizes
         self._context = context
@@ -142,6 +180,7 @@ class CompiledVariant:
     def _init_calls(self, in_spec: str, out_spec: str) -> None:
         self.in_spec = pytree.treespec_loads(in_spec)
         self.out_spec = pytree.treespec_loads(out_spec)
+        self._flatten_call = _flattener(self.in_spec)
         # A bucket's model serves a few call batches (1 image to its batch, guided and not): one
         # graph per call shape, captured on its first call.
         pool = self._context.graph_pool
@@ -162,6 +201,10 @@ class CompiledVariant:
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""
+        if self._flatten_call is not None:
+            leaves: list[Any] = []
+            return list(zip(self._leaf_names, leaves, strict=True)) \
+                if self._flatten_call((tuple(args), kwargs), leaves) else None
         kwargs_spec = self.in_spec.child(1)
         if set(kwargs) != set(kwargs_spec.context):
             return None
@@ -174,12 +217,11 @@ class CompiledVariant:
 
     def accepts(self, leaves: list[tuple[str, Any]]) -> bool:
         """Whether this model computes these inputs correctly (AOTInductor itself checks nothing)."""
-        for (_, leaf), expected in zip(leaves, self.inputs, strict=True):
-            if isinstance(leaf, torch.Tensor) != ("value" not in expected):
-                return False
-            if not isinstance(leaf, torch.Tensor) and repr(leaf) != expected["value"]:
-                return False
-            if isinstance(leaf, torch.Tensor) and "dims" not in expected and list(leaf.shape) != expected["shape"]:
+        for (_, leaf), (tensor, value, static) in zip(leaves, self._leaf_checks, strict=True):
+            if isinstance(leaf, torch.Tensor):
+                if not tensor or (static is not None and leaf.shape != static):
+                    return False
+            elif tensor or repr(leaf) != value:
                 return False
         if "call_batch" in self.entry or "dynamic" in self.entry:
             # A pipeline calls with the same sizes every step: solved once per set of sizes.
@@ -242,6 +284,8 @@ class CompiledVariant:
         model traced with another's integer timesteps) is refused; from one floating point type to
         another, the values take the artifact's precision."""
         want = getattr(torch, expected["dtype"])
+        if leaf.dtype is want and leaf.device == self._device:  # as compiled: nothing to convert
+            return leaf
         converted = leaf.to(device=self._device, dtype=want)
         if leaf.dtype != want and (leaf.is_floating_point() != converted.is_floating_point()
                                    or not leaf.is_floating_point()):
@@ -258,10 +302,12 @@ class CompiledVariant:
     def _prepare(self, leaves: list[tuple[str, Any]]) -> list[torch.Tensor]:
         """The call's tensors as the model was compiled for them."""
         tensors = []
-        for (path, leaf), expected in zip(leaves, self.inputs, strict=True):
+        for (path, leaf), expected, row_major in zip(leaves, self.inputs, self._row_major, strict=True):
             if isinstance(leaf, torch.Tensor):
                 leaf = self._converted(path, leaf, expected)
-                if "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
+                if row_major:
+                    leaf = leaf.contiguous()  # itself when it is
+                elif "stride" in expected and list(leaf.stride()) != expected["stride"]:  # e.g. NHWC builds
                     # The compiled strides hold for a smaller call batch too (batch is the outer dim).
                     leaf = torch.empty_strided(leaf.shape, expected["stride"], dtype=leaf.dtype,
                                                device=self._device).copy_(leaf)
