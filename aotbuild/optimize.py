@@ -17,6 +17,7 @@ import torch
 
 from .errors import TargetError
 from .manifest import DTYPES
+from .recipes import QUANT_RECIPES, capability
 
 Modules = dict[str, torch.nn.Module]  # component name -> the pipeline module it compiles
 
@@ -92,7 +93,7 @@ def _validate_sdpa(value: Any, device: str, gpu: Any) -> None:
         raise TargetError(f"optimize.sdpa is {value!r}; allowed: {', '.join(SDPA_BACKENDS)}")
     if device == "cpu" and value in ("flash", "efficient", "cudnn"):
         raise TargetError(f"optimize.sdpa = {value!r} needs CUDA; on cpu use \"auto\" or \"math\"")
-    if value == "flash" and gpu is not None and _capability(gpu) < (8, 0):
+    if value == "flash" and gpu is not None and capability(gpu) < (8, 0):
         raise TargetError(f"optimize.sdpa = 'flash' needs compute capability >= 8.0, target gpu is {gpu.capability}")
 
 
@@ -113,16 +114,6 @@ def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     """Which scaled-dot-product-attention kernel the exported graph calls. "auto" lets torch pick
     (flash or memory-efficient on CUDA); pinning one makes the artifact's kernel explicit."""
     return {"backend": value}
-
-
-# What diffusers' fuse_qkv_projections concatenates into each fused projection, in row order (self-
-# attention: to_qkv; cross-attention: to_kv; SD3/Flux joint attention: to_added_qkv). Weights of another
-# checkpoint, and LoRA updates of the members, are placed by these rows.
-FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "to_qkv": ("to_q", "to_k", "to_v"),
-    "to_kv": ("to_k", "to_v"),
-    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
-}
 
 
 @register("fuse_qkv", validate=_bool("fuse_qkv"))
@@ -155,78 +146,6 @@ def _channels_last_inputs(tree: Any) -> Any:
 
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.contiguous(memory_format=torch.channels_last) if t.ndim == 4 else t, tree)
-
-
-def _capability(gpu: Any) -> tuple[int, int]:
-    major, minor = gpu.capability.split(".")
-    return int(major), int(minor)
-
-
-@dataclass(frozen=True)
-class QuantRecipe:
-    """A torchao recipe: its config, which layers it touches, where it runs, how far it may drift."""
-
-    config: Callable[[], Any]
-    layer_filter: Callable[[torch.nn.Module, str], bool]
-    requires: Callable[[str, Any], str | None]  # (device, gpu) -> why it cannot run, or None
-    tolerance: float  # max relative error vs eager float32 (see builder.TOLERANCES)
-    inductor: dict[str, Any]
-
-
-# Linear shapes diffusion-fast leaves in bf16 for SDXL: quantizing them costs more than it gains.
-_SDXL_SKIP_SHAPES = {
-    (1280, 640), (1920, 1280), (1920, 640), (2048, 1280), (2048, 2560), (2560, 1280), (256, 128),
-    (2816, 1280), (320, 640), (512, 1536), (512, 256), (512, 512), (640, 1280), (640, 1920), (640, 320),
-    (640, 5120), (640, 640), (960, 320), (960, 640),
-}
-
-
-def _dynamic_quant_filter(module: torch.nn.Module, fqn: str) -> bool:
-    """diffusion-fast's filter: linears wide enough to gain from int8 matmuls."""
-    return (isinstance(module, torch.nn.Linear) and module.in_features > 16
-            and (module.in_features, module.out_features) not in _SDXL_SKIP_SHAPES)
-
-
-def _linear_filter(module: torch.nn.Module, fqn: str) -> bool:
-    return isinstance(module, torch.nn.Linear) and module.in_features > 16
-
-
-def _anywhere(device: str, gpu: Any) -> str | None:
-    return None
-
-
-def _cuda_only(device: str, gpu: Any) -> str | None:
-    return None if device == "cuda" else "needs CUDA"
-
-
-def _fp8_capable(device: str, gpu: Any) -> str | None:
-    if device != "cuda" or gpu is None or _capability(gpu) < (8, 9):
-        found = gpu.capability if gpu is not None else device
-        return f"needs CUDA compute capability >= 8.9 (Ada, Hopper), target has {found}"
-    return None
-
-
-def _torchao_config(name: str, **kwargs: Any) -> Callable[[], Any]:
-    # set_inductor_config=False: torchao would otherwise set inductor flags globally; the recipe's
-    # flags are passed per compile instead.
-    def make() -> Any:
-        import torchao.quantization as tq
-
-        return getattr(tq, name)(set_inductor_config=False, **kwargs)
-
-    return make
-
-
-QUANT_RECIPES: dict[str, QuantRecipe] = {
-    "int8_dynamic": QuantRecipe(_torchao_config("Int8DynamicActivationInt8WeightConfig"), _dynamic_quant_filter,
-                                _anywhere, 0.1, {"force_fuse_int_mm_with_mul": True}),
-    "int8_weight_only": QuantRecipe(_torchao_config("Int8WeightOnlyConfig"), _linear_filter, _anywhere, 0.05,
-                                    {"use_mixed_mm": True}),
-    "float8_dynamic": QuantRecipe(_torchao_config("Float8DynamicActivationFloat8WeightConfig"), _linear_filter,
-                                  _fp8_capable, 0.1, {}),
-    "int4_weight_only": QuantRecipe(_torchao_config("Int4WeightOnlyConfig", group_size=128), _linear_filter,
-                                    _cuda_only, 0.15, {}),
-}
 
 
 def _validate_quantize(value: Any, device: str, gpu: Any) -> None:

@@ -10,9 +10,11 @@ import torch
 
 from aotbuild.backends import parse_lora
 from aotbuild.errors import AotbuildError, IncompatibleArtifactError
-from aotbuild.optimize import FUSED_PROJECTIONS
-from aotbuild.runtime.checkpoint import checkpoint_constants, dequantize_int8, int8_per_row, module_tensors
+from aotbuild.recipes import FUSED_PROJECTIONS, dequantize_int8, int8_per_row
+from aotbuild.runtime.checkpoint import checkpoint_constants, module_tensors
 from aotbuild.runtime.lora import pop_scale
+
+from .conftest import ROOT
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,6 +116,38 @@ def test_the_runtime_imports_no_lora_or_build_code():
     code = ("import sys, aotbuild, aotbuild.runtime; print(sorted(m for m in ('peft', 'diffusers', 'torchao', "
             "'aotbuild.builder', 'torch._dynamo') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+# The build side: what turns a target into an artifact. The runtime, and the spec layer both sides
+# read (targets' data, pipelines, shapes, manifests, recipes), import none of it, even lazily.
+BUILD_SIDE = {"builder", "capture", "export", "optimize", "regions", "targets", "backends", "bench",
+              "component_bench", "matrix", "cli", "serve", "peers", "cluster"}
+SPEC_LAYER = ("errors", "manifest", "pipelines", "shapes", "recipes")
+
+
+def _imported(path) -> set[str]:
+    """The aotbuild modules a source file imports anywhere in it (top level or inside functions)."""
+    import ast
+
+    package = path.parent.relative_to(ROOT).parts  # ("aotbuild",) or ("aotbuild", "runtime")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1]
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+            found |= {".".join((*base, *name.split("."))) for name in names}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found |= {m for m in modules if m and m.startswith("aotbuild")}
+    return found
+
+
+def test_the_runtime_and_the_spec_layer_import_nothing_from_the_build_side():
+    files = sorted((ROOT / "aotbuild" / "runtime").glob("*.py")) + [ROOT / "aotbuild" / f"{m}.py" for m in SPEC_LAYER]
+    crossing = {f"{path.relative_to(ROOT)} imports {module}" for path in files for module in _imported(path)
+                if module.split(".")[1:2] and module.split(".")[1] in BUILD_SIDE}
+    assert crossing == set()
+    assert "aotbuild.recipes" in _imported(ROOT / "aotbuild" / "runtime" / "checkpoint.py")  # the walk sees imports
 
 
 @pytest.mark.parametrize(("target_name", "fused_kinds"), [

@@ -70,7 +70,7 @@ def test_lora_on_fused_qkv_channels_last_int8(built_int8, int8_target, tmp_path)
     """A LoRA on q/k/v (fused rows), the output projection and the resnets' convolutions (NHWC
     strides) of the int8 recipe: touched rows are dequantized, merged and quantized again, the
     others stay the build's bit for bit; compared with eager float32 running the same LoRA."""
-    from aotbuild.runtime.checkpoint import dequantize_int8, int8_per_row
+    from aotbuild.recipes import dequantize_int8, int8_per_row
 
     from .conftest import make_lora
 

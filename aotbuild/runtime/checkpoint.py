@@ -12,54 +12,25 @@ torchao), so a serving machine needs no torchao.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 
 import torch
 
 from ..errors import AotbuildError, WeightsMismatchError
-from ..optimize import FUSED_PROJECTIONS
+from ..recipes import FUSED_PROJECTIONS, QuantScheme, rebuildable, runtime_scheme
 from .weights import dtype_name, same_layout
 
 QUANTIZED = ".parametrizations.weight.original"  # torchao's unwrapped subclass: original0 data, original1 scale
 
 
-def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao's `Int8Tensor.from_hp(weight, PerRow())` (the int8_dynamic and int8_weight_only
-    recipes): symmetric, one float32 scale per output row, values in [-128, 127]. The scale is
-    computed in the weight's dtype, as torchao does, so a bfloat16 build gets its very scales."""
-    flat = weight.reshape(weight.shape[0], -1)
-    amax = torch.maximum(-flat.amin(dim=1, keepdim=True).clamp(max=0), flat.amax(dim=1, keepdim=True).clamp(min=0))
-    scale = (amax / 127.5).clamp(min=torch.finfo(torch.float32).eps).to(torch.float32)
-    data = torch.clamp(torch.round(flat * (1.0 / scale)), -128, 127).to(torch.int8)
-    return data.reshape(weight.shape), scale
-
-
-def dequantize_int8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.reshape(data.shape[0], -1).to(torch.float32) * scale).to(dtype).reshape(data.shape)
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """How a recipe's weights are made from float weights, and read back."""
-
-    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
-
-
-INT8_PER_ROW = QuantScheme(int8_per_row, dequantize_int8)
-# Quant recipes whose weights can be made again outside torchao (other weights, LoRA merges).
-SCHEMES: dict[str, QuantScheme] = {"int8_dynamic": INT8_PER_ROW, "int8_weight_only": INT8_PER_ROW}
-
-
 def quant_scheme(recipe: str | None, component: str) -> QuantScheme:
-    try:
-        return SCHEMES[recipe]
-    except KeyError:
+    scheme = runtime_scheme(recipe)
+    if scheme is None:
         raise AotbuildError(
             f"{component}: this artifact's weights are quantized with the {recipe!r} recipe, which aotbuild can "
-            f"only build, not redo at load: other weights and LoRAs need {' or '.join(SCHEMES)}",
-            hint="build the artifact from these weights instead") from None
+            f"only build, not redo at load: other weights and LoRAs need {' or '.join(rebuildable())}",
+            hint="build the artifact from these weights instead")
+    return scheme
 
 
 def fused_members(fqn: str) -> tuple[str, tuple[str, ...], str] | None:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError
-from .checkpoint import QUANTIZED, SCHEMES, child, module_tensors, placement
+from ..recipes import runtime_scheme
+from .checkpoint import QUANTIZED, child, module_tensors, placement
 from .guards import accept_compiled_class, model_mixin_refusals
 
 # The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
@@ -73,7 +74,7 @@ class LoraState:
         self.shell = meta_model(config, dtype)
         self._dtype, self._device, self._base, self._rebind = dtype, device, base, rebind
         self._unread = unread  # the build's `unread`: a LoRA on a dead weight changes nothing, as in eager
-        self._recipe, self._scheme = recipe, SCHEMES.get(recipe)  # None: no quantized weight can be merged
+        self._recipe, self._scheme = recipe, runtime_scheme(recipe)  # None: no quantized weight can be merged
         self._generation: dict[str, int] = {}  # adapter -> which load made it (a name can be reused)
         self._layers: list[tuple[str, Any]] = []
         self._other_tuners: list[Any] = []
