@@ -136,12 +136,13 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
                              weights=weights)
         load_loras(pipe, list(loras))
     elif backend in ("eager", "compile"):
-        from .builder import _check_device, _load_pipeline, optimize_pipeline
+        from .builder import check_device
+        from .builder.capturing import load_source_pipeline, optimize_pipeline
         from .pipelines import pipeline_spec
 
-        _check_device(target)
+        check_device(target)
         spec = pipeline_spec(target.pipeline)
-        pipe = _load_pipeline(target, spec, torch.device(target.device))
+        pipe = load_source_pipeline(target, spec, torch.device(target.device))
         specs = [spec.component(name) for name in target.components]
         optimize_pipeline(pipe, specs, target)
         if backend == "compile":

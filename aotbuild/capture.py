@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .errors import BuildError
 from .pipelines import TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
+from .private_apis import pytree
 
 
 @dataclass
@@ -34,12 +34,13 @@ class CapturedCall:
         return CapturedCall(args, kwargs, output)
 
 
-def _detached(tree: Any) -> Any:
+def detached(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
 
 
 @contextlib.contextmanager
-def _wrapped(methods: dict[str, tuple[Any, str]], wrapper: Callable[[str, Callable], Callable]) -> Iterator[None]:
+def patched_methods(methods: dict[str, tuple[Any, str]],
+                    wrapper: Callable[[str, Callable], Callable]) -> Iterator[None]:
     """Within the block, each named module method is `wrapper(name, original)`, set on the instance
     with `functools.wraps` so signatures stay intact; the instance attributes are removed
     afterwards: each module is left exactly as it was found."""
@@ -70,14 +71,14 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
         def record(*args: Any, **kwargs: Any) -> Any:
             output = original(*args, **kwargs)
             if name not in calls:
-                call_args, call_kwargs = _detached(spec.call_inputs(args, kwargs))
+                call_args, call_kwargs = detached(spec.call_inputs(args, kwargs))
                 sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
-                calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), _detached(sample))
+                calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), detached(sample))
             return output
 
         return record
 
-    with _wrapped({spec.name: (getattr(pipe, spec.attribute), spec.method) for spec in specs}, recorder):
+    with patched_methods({spec.name: (getattr(pipe, spec.attribute), spec.method) for spec in specs}, recorder):
         yield calls
 
 
@@ -102,7 +103,7 @@ def timed(methods: dict[str, tuple[torch.nn.Module, str]]) -> Iterator[dict[str,
 
         return timing
 
-    with _wrapped(methods, timer):
+    with patched_methods(methods, timer):
         yield seconds
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .errors import AotbuildError
+from .private_apis import ray_started_head
 
 # What a worker on another node needs from the driver's environment to reach the same Hub.
 FORWARDED_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET", "HF_HUB_OFFLINE")
@@ -40,7 +41,7 @@ def ray_session(address: str | None) -> Iterator[bool]:
         raise AotbuildError(f"cannot start or join {where}: {str(exc).strip().splitlines()[0]}",
                             hint="give --address HOST:PORT of a running cluster (ray start --head prints it)") from None
     # ray.init starts a head node here only when it found no cluster to join.
-    started = bool(getattr(ray._private.worker._global_node, "head", False))
+    started = ray_started_head()
     try:
         yield started
     finally:

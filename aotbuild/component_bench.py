@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .errors import AotbuildError
 from .openmp import spin_setting
 from .peers import PEERS, call_tensors, tensor_program
+from .private_apis import pytree
 
 COMPONENT_CASES = ("aot", "aot-model", "eager", "compile", *PEERS)
 DEFAULT_COMPONENT_CASES = tuple(case for case in COMPONENT_CASES if case != "compile")
@@ -70,7 +70,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     """
     from .backends import built_artifact
     from .bench import write_document
-    from .builder import output_error
+    from .builder.validate import output_error
     from .manifest import environment, read_manifest
     from .pipelines import pipeline_spec
     from .targets import load_target
@@ -128,11 +128,11 @@ def _reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
     """The component's float32 module (unoptimized, as the build's reference) and the call the
     float32 pipeline makes to it at the first bucket, with its output."""
     from . import capture
-    from .builder import _load_pipeline
+    from .builder.capturing import load_source_pipeline
     from .pipelines import UNGUIDED, pipeline_spec
 
     pipeline = pipeline_spec(target.pipeline)
-    pipe = _load_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
+    pipe = load_source_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
     bucket = target.shapes[0]
     if spec.recorded:
         extras = pipeline.capture_extras(bucket.batch, bucket.height, bucket.width) if pipeline.capture_extras \

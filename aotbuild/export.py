@@ -4,13 +4,13 @@ weight-less .pt2 package, plus the exact constants that package binds at load.""
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import AotbuildError, BuildError
+from .private_apis import aot_compile, cuda_compiler, inductor_config, package_aoti, python_printer, shape_env
 
 # Options every compile gets, on top of the target's [inductor] table:
 # - the package holds code only; weights go to safetensors and are bound at load;
@@ -51,9 +51,7 @@ PORTABLE_MARCH = ""
 
 def supports_multi_arch() -> bool:
     """Whether this torch's AOTInductor can emit multi-arch (PTX + SASS) kernels."""
-    from torch._inductor import config as inductor_config
-
-    return MULTI_ARCH_OPTION in inductor_config.get_config_copy()
+    return MULTI_ARCH_OPTION in inductor_config().get_config_copy()
 
 
 def nvcc() -> str | None:
@@ -61,9 +59,7 @@ def nvcc() -> str | None:
     use fatbinary): torch and Triton wheels do not ship it."""
     import shutil
 
-    from torch._inductor.codegen.cuda.compile_utils import _cuda_compiler
-
-    return shutil.which(_cuda_compiler() or "nvcc")
+    return shutil.which(cuda_compiler() or "nvcc")
 
 
 def check_inductor_keys(options: dict[str, Any], error: type[AotbuildError], origin: str = "") -> None:
@@ -71,9 +67,7 @@ def check_inductor_keys(options: dict[str, Any], error: type[AotbuildError], ori
     itself; an unknown one is refused naming the closest options (a typo)."""
     import difflib
 
-    from torch._inductor import config as inductor_config
-
-    known = list(inductor_config.get_config_copy())
+    known = list(inductor_config().get_config_copy())
     where = f"{origin}: " if origin else ""
     for key in options:
         if key not in known:
@@ -159,17 +153,14 @@ def shape_guards(program: torch.export.ExportedProgram) -> list[str]:
     guards export added where the traced code branched on a size (Z-Image pads its caption to a
     multiple of 32 only when it is not one; a size-1 pad would be specialized), as Python
     expressions over the symbols of `input_dims`. AOTInductor checks none of them at run time."""
-    from torch.export.exported_program import _get_shape_env
-    from torch.utils._sympy.printers import PythonPrinter
-
-    shape_env = _get_shape_env(program.graph_module)
-    if shape_env is None:
+    shapes = shape_env(program)
+    if shapes is None:
         return []
     inputs = {symbol for shape in _input_shapes(program) for d in shape if not isinstance(d, int)
               for symbol in d.node.expr.free_symbols}
-    printer, guards = PythonPrinter(), []
-    for guard in shape_env.guards:
-        expr = shape_env.replace(guard.expr)
+    printer, guards = python_printer(), []
+    for guard in shapes.guards:
+        expr = shapes.replace(guard.expr)
         if expr.free_symbols and expr.free_symbols <= inputs and expr not in (True, False):
             text = printer.doprint(expr)
             if text not in guards:
@@ -191,7 +182,7 @@ def compile_variant(program: torch.export.ExportedProgram, options: dict[str, An
             delattr(module, attribute)
             module.register_buffer(attribute, value, persistent=False)
     try:
-        files = torch._inductor.aot_compile(graph, args, kwargs, options=dict(options))
+        files = aot_compile(graph, args, kwargs, dict(options))
     except Exception as exc:
         raise BuildError(f"AOTInductor compile failed: {exc}") from exc
     return files
@@ -199,9 +190,7 @@ def compile_variant(program: torch.export.ExportedProgram, options: dict[str, An
 
 def package(path: Path, compiled: dict[str, list]) -> None:
     """Write one .pt2 holding every variant as a named model."""
-    from torch._inductor.package import package_aoti
-
-    package_aoti(os.fspath(path), compiled)
+    package_aoti(path, compiled)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

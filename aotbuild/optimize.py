@@ -17,6 +17,7 @@ import torch
 
 from .errors import TargetError
 from .manifest import DTYPES
+from .private_apis import pytree, unwrap_tensor_subclasses
 from .recipes import QUANT_RECIPES, capability
 
 Modules = dict[str, torch.nn.Module]  # component name -> the pipeline module it compiles
@@ -142,8 +143,6 @@ def apply_channels_last(modules: Modules, value: bool, device: str) -> dict[str,
 
 
 def _channels_last_inputs(tree: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.contiguous(memory_format=torch.channels_last) if t.ndim == 4 else t, tree)
 
@@ -165,7 +164,6 @@ def apply_quantize(modules: Modules, value: str, device: str) -> dict[str, Any]:
         from torchao.quantization import quantize_
     except ImportError:
         raise TargetError("optimize.quantize needs torchao at build time: pip install 'torchao>=0.18'") from None
-    from torch._functorch._aot_autograd.subclass_parametrization import unwrap_tensor_subclass_parameters
 
     recipe = QUANT_RECIPES[value]
     layers = {}
@@ -173,7 +171,7 @@ def apply_quantize(modules: Modules, value: str, device: str) -> dict[str, Any]:
         picked = [fqn for fqn, m in module.named_modules() if recipe.layer_filter(m, fqn)]
         if picked:
             quantize_(module, recipe.config(), filter_fn=recipe.layer_filter)
-            unwrap_tensor_subclass_parameters(module)
+            unwrap_tensor_subclasses(module)
         layers[name] = len(picked)
     return {"recipe": value, "layers": layers, "inductor": recipe.inductor}
 

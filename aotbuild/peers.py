@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from .private_apis import pytree
 
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 _GIVEN = object()  # a tensor leaf's place: the call gives it

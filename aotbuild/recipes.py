@@ -62,7 +62,7 @@ class QuantRecipe:
     config: Callable[[], Any]
     layer_filter: Callable[[torch.nn.Module, str], bool]
     requires: Callable[[str, Any], str | None]  # (device, gpu) -> why it cannot run, or None
-    tolerance: float  # max relative error vs eager float32 (see builder.TOLERANCES)
+    tolerance: float  # max relative error vs eager float32 (see builder.validate.TOLERANCES)
     inductor: dict[str, Any]
     scheme: QuantScheme | None = None
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from .capture import CapturedCall, _detached
+from .capture import CapturedCall, detached, patched_methods
 from .errors import BuildError
+from .private_apis import pytree
 from .runtime.variant import leaf_signature
 
 # Denoisers whose diffusers class declares no `_repeated_blocks` (diffusers 0.42.1).
@@ -90,32 +90,27 @@ def recording(instances: dict[str, torch.nn.Module]) -> Iterator[BlockCalls]:
     record = BlockCalls()
     prints = {fqn: fingerprint(module) for fqn, module in instances.items()}
     pending: dict[str, tuple] = {}
-    handles = []
 
-    def before(fqn: str, args: tuple, kwargs: dict) -> None:
-        if fqn in record.keys:
-            return
-        signature = json.dumps(leaf_signature((args, kwargs)))
-        key = hashlib.sha256(f"{prints[fqn]}|{signature}".encode()).hexdigest()[:16]
-        record.keys[fqn] = key
-        if key not in record.calls and key not in {k for k, _ in pending.values()}:
-            pending[fqn] = (key, _detached((tuple(args), dict(kwargs))))
+    def recorder(fqn: str, forward: Callable) -> Callable:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if fqn not in record.keys:
+                signature = json.dumps(leaf_signature((args, kwargs)))
+                key = hashlib.sha256(f"{prints[fqn]}|{signature}".encode()).hexdigest()[:16]
+                record.keys[fqn] = key
+                if key not in record.calls and key not in {k for k, _ in pending.values()}:
+                    pending[fqn] = (key, detached((tuple(args), dict(kwargs))))
+            output = forward(*args, **kwargs)
+            if fqn in pending:
+                key, (call_args, call_kwargs) = pending.pop(fqn)
+                first = next(t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))  # SD3's: (None, x)
+                record.calls[key] = CapturedCall(call_args, call_kwargs, first.detach().clone())
+            return output
 
-    def after(fqn: str, output: Any) -> None:
-        if fqn in pending:
-            key, (args, kwargs) = pending.pop(fqn)
-            first = next(t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))  # SD3's last: (None, x)
-            record.calls[key] = CapturedCall(args, kwargs, first.detach().clone())
+        return recorded
 
-    for fqn, module in instances.items():
-        handles.append(module.register_forward_pre_hook(
-            lambda m, a, k, _f=fqn: before(_f, a, k), with_kwargs=True))
-        handles.append(module.register_forward_hook(lambda m, a, o, _f=fqn: after(_f, o)))
-    try:
+    # The one way the build records calls: the method patched on the instance, as capture does.
+    with patched_methods({fqn: (module, "forward") for fqn, module in instances.items()}, recorder):
         yield record
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass(frozen=True)

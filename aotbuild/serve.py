@@ -30,6 +30,7 @@ from typing import Any
 
 from .errors import AotbuildError
 from .media import mp4_bytes, png_bytes, video_fps
+from .private_apis import serve_http_port
 
 APP_NAME = "aotbuild"
 # Each request field and what it means; `images` is num_images_per_prompt.
@@ -407,9 +408,7 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
 def _serve_port(asked: int) -> int:
     """The port Serve listens on: the first `serve.start` on a cluster fixes it for all."""
     try:
-        from ray.serve.context import _get_global_client  # Serve has no public reader of its HTTP options
-
-        return int(_get_global_client().http_config.port)
+        return serve_http_port()
     except (ImportError, AttributeError, TypeError, ValueError):
         return asked
 

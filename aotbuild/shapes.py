@@ -30,10 +30,10 @@ import re
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .errors import BuildError
 from .pipelines import TEXT
+from .private_apis import pytree
 
 AXES = ("batch", "height", "width")
 FRAME_AXIS = "frames"  # a video's frame count: an axis where a range gives one, after width

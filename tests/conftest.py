@@ -42,12 +42,12 @@ def eager_pipeline(target, seed: int | None = None):
     """The target's pipeline, uncompiled, float32 (optionally from another seed)."""
     import dataclasses
 
-    from aotbuild.builder import _load_pipeline
+    from aotbuild.builder.capturing import load_source_pipeline
     from aotbuild.pipelines import pipeline_spec
 
     if seed is not None:
         target = dataclasses.replace(target, seed=seed)
-    return _load_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
+    return load_source_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
 
 
 def same_as_eager(run, compiled, eager, atol: float, **call):

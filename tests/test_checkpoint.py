@@ -122,7 +122,7 @@ def test_the_runtime_imports_no_lora_or_build_code():
 # read (targets' data, pipelines, shapes, manifests, recipes), import none of it, even lazily.
 BUILD_SIDE = {"builder", "capture", "export", "optimize", "regions", "targets", "backends", "bench",
               "component_bench", "matrix", "cli", "serve", "peers", "cluster"}
-SPEC_LAYER = ("errors", "manifest", "pipelines", "shapes", "recipes")
+SPEC_LAYER = ("errors", "manifest", "pipelines", "shapes", "recipes", "private_apis")
 
 
 def _imported(path) -> set[str]:
@@ -148,6 +148,36 @@ def test_the_runtime_and_the_spec_layer_import_nothing_from_the_build_side():
                 if module.split(".")[1:2] and module.split(".")[1] in BUILD_SIDE}
     assert crossing == set()
     assert "aotbuild.recipes" in _imported(ROOT / "aotbuild" / "runtime" / "checkpoint.py")  # the walk sees imports
+
+
+def _private_names(path) -> list[str]:
+    """Private names of torch, Ray and diffusers a source file imports or reaches by attribute."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            names = [f"{getattr(root, 'id', '?')}...{node.attr}"]
+        else:
+            continue
+        found += [name for name in names if name.split(".")[0] in ("torch", "ray", "diffusers", "DiffusionPipeline")
+                  and any(part.startswith("_") and not part.startswith("__") for part in name.split("."))]
+    return found
+
+
+def test_private_apis_are_reached_from_one_module():
+    """torch's, Ray's and diffusers' private names are used in `aotbuild/private_apis.py` only."""
+    reaching = {f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "aotbuild").rglob("*.py"))
+                if path.name != "private_apis.py" for name in _private_names(path)}
+    assert reaching == set()
+    assert "torch.utils._pytree" in _private_names(ROOT / "aotbuild" / "private_apis.py")  # the walk sees them
 
 
 @pytest.mark.parametrize(("target_name", "fused_kinds"), [

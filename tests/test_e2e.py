@@ -257,7 +257,7 @@ def _hold_lock(lock: os.PathLike) -> subprocess.Popen:
 def test_killed_build_leaves_previous_artifact(built, tmp_path):
     import fcntl
 
-    from aotbuild.builder import STAGING_DIRNAME, _recover_stale_staging, _target_lock
+    from aotbuild.builder.transaction import STAGING_DIRNAME, recover_stale_staging, target_lock
 
     artifacts = tmp_path / "artifacts"
     shutil.copytree(built.folder, artifacts / built.folder.name)
@@ -283,21 +283,21 @@ def test_killed_build_leaves_previous_artifact(built, tmp_path):
     assert [p.name.split("-")[0] for p in staging.iterdir()] == ["build"]
     # The kernel dropped the dead build's lock, whatever its PID is now; whoever takes it owns the
     # folder, so everything in it is stale (the next build does this first).
-    with _target_lock(staging_root, built.folder.name) as staging_dir:
-        _recover_stale_staging(staging_dir, artifacts / built.folder.name)
+    with target_lock(staging_root, built.folder.name) as staging_dir:
+        recover_stale_staging(staging_dir, artifacts / built.folder.name)
         assert list(staging.iterdir()) == []
     assert not staging_root.exists()  # the lock file, the staging folders: nothing is left behind
     verify_files(artifacts / built.folder.name, manifest)
 
 
 def test_build_killed_between_renames_gets_its_previous_artifact_back(built, tmp_path):
-    from aotbuild.builder import STAGING_DIRNAME, _recover_stale_staging, _target_lock
+    from aotbuild.builder.transaction import STAGING_DIRNAME, recover_stale_staging, target_lock
 
     artifacts = tmp_path / "artifacts"
     parked = artifacts / STAGING_DIRNAME / built.folder.name / "old-x1y2" / "artifact"
     shutil.copytree(built.folder, parked)
-    with _target_lock(artifacts / STAGING_DIRNAME, built.folder.name) as staging_dir:
-        _recover_stale_staging(staging_dir, artifacts / built.folder.name)
+    with target_lock(artifacts / STAGING_DIRNAME, built.folder.name) as staging_dir:
+        recover_stale_staging(staging_dir, artifacts / built.folder.name)
     verify_files(artifacts / built.folder.name, read_manifest(artifacts / built.folder.name))
     assert list(artifacts.iterdir()) == [artifacts / built.folder.name]
 
@@ -307,13 +307,13 @@ def test_build_locks_stay_exclusive_while_finished_builds_remove_them(tmp_path):
     still take turns (one that locks a removed file opens the path again), and none is left."""
     import threading
 
-    from aotbuild.builder import _target_lock
+    from aotbuild.builder.transaction import target_lock
 
     staging_root, inside, overlaps, done = tmp_path / ".staging", [], [], []
 
     def one_build(i: int) -> None:
         for _ in range(5):
-            with _target_lock(staging_root, "t", None, lambda stage, message: None) as staging_dir:
+            with target_lock(staging_root, "t", None, lambda stage, message: None) as staging_dir:
                 inside.append(i)
                 overlaps.extend([list(inside)] if len(inside) > 1 else [])
                 (staging_dir / f"build-{i}").mkdir()
@@ -336,7 +336,7 @@ def test_build_waiting_for_the_lock_checks_freshness_again(built, tiny_target, t
     the second does nothing (freshness is checked again under the lock)."""
     import threading
 
-    from aotbuild.builder import STAGING_DIRNAME
+    from aotbuild.builder.transaction import STAGING_DIRNAME
 
     artifacts = tmp_path / "artifacts"
     (artifacts / STAGING_DIRNAME).mkdir(parents=True)
@@ -359,21 +359,23 @@ def test_build_waiting_for_the_lock_checks_freshness_again(built, tiny_target, t
 
 
 def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy, tiny_target):
-    from aotbuild.builder import _capture_all, _plan, _validate
+    from aotbuild.builder.capturing import capture_all
+    from aotbuild.builder.plan import plan_target
+    from aotbuild.builder.validate import validate_artifact
     from aotbuild.errors import NumericsError
     from aotbuild.pipelines import pipeline_spec
 
     spec = pipeline_spec(tiny_target.pipeline)
     specs = [spec.component(n) for n in tiny_target.components]
     pipe = eager_pipeline(tiny_target)
-    points, plans = _plan(tiny_target, spec, specs, pipe.vae, 1)
-    reference, _, _ = _capture_all(pipe, spec, specs, tiny_target, points, torch.device("cpu"), lambda stage, msg: None)
+    points, plans = plan_target(tiny_target, spec, specs, pipe.vae, 1)
+    reference, _, _ = capture_all(pipe, spec, specs, tiny_target, points, torch.device("cpu"), lambda stage, msg: None)
     for calls in reference.values():
         for call in calls.values():
             call.output.mul_(1.5)  # as if the compiled models had drifted by a third
     manifest = read_manifest(artifact_copy)
     with pytest.raises(NumericsError, match=r"unet b1_64x64: relative error 0\.333 > 0\.001") as info:
-        _validate(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=False)
+        validate_artifact(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=False)
     assert "--allow-numerics-drift" in info.value.hint
-    _validate(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=True)
+    validate_artifact(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=True)
     assert manifest["components"]["vae_decoder"]["variants"][2]["numerics"]["max_rel_error"] > 0.3

@@ -352,11 +352,12 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
     # is stale, and loading it fetches that commit's files, not the branch's.
     import dataclasses
 
-    from aotbuild.builder import _source_record, is_fresh
+    from aotbuild.builder import is_fresh
+    from aotbuild.builder.record import source_record
 
     on_main = dataclasses.replace(load_target(target_file), revision="main")
     head = api.repo_info(repo).sha
-    record = _source_record(on_main)
+    record = source_record(on_main)
     assert record == {"id": repo, "revision": "main", "seed": None, "commit": head}
     branch_built = Path(shutil.copytree(result.folder, tmp_path / "on-main" / on_main.name))
     manifest = json.loads((branch_built / "manifest.json").read_text())

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from aotbuild.builder import optimize_pipeline
+from aotbuild.builder.capturing import optimize_pipeline
 from aotbuild.capture import capture_inputs
 from aotbuild.errors import TargetError
 from aotbuild.export import export_variant, inductor_options

@@ -113,7 +113,7 @@ def test_lora_on_fused_qkv_channels_last_int8(built_int8, int8_target, tmp_path)
 def test_other_weights_are_quantized_as_the_build_did(built_int8, int8_target):
     """apply() on another seed's float32 pipeline: fused, laid out NHWC and quantized at load the
     way the build quantizes; the same images as building from those weights would give."""
-    from aotbuild.builder import optimize_pipeline
+    from aotbuild.builder.capturing import optimize_pipeline
     from aotbuild.runtime.checkpoint import module_tensors
 
     finetuned = eager_pipeline(int8_target, seed=5)

@@ -312,12 +312,13 @@ def test_a_local_source_resaved_with_other_weights_is_not_fresh(artifact_copy, t
     other weights, the artifact is stale (build rebuilds); as it was, fresh."""
     import dataclasses
 
-    from aotbuild.builder import _source_record, is_fresh
+    from aotbuild.builder import is_fresh
+    from aotbuild.builder.record import source_record
 
     folder = tmp_path / "my-sdxl"
     eager_pipeline(tiny_target).save_pretrained(folder)
     local = dataclasses.replace(tiny_target, source=str(folder), seed=0)
-    record = _source_record(local)
+    record = source_record(local)
     assert record["id"] == "local:my-sdxl" and re.fullmatch(r"[0-9a-f]{64}", record["fingerprint"])
     manifest = json.loads((artifact_copy / "manifest.json").read_text())
     manifest.update(source=record, target_hash=local.content_hash())  # as if built from that folder
@@ -641,8 +642,8 @@ def test_a_load_keeps_quiet_only_on_its_own_thread(built):
 
 def _hold_build_lock(staging_root: Path, name: str) -> subprocess.Popen:
     """Another process holding a target's build lock as a build does (its record written)."""
-    script = ("import sys; from pathlib import Path; from aotbuild.builder import _target_lock\n"
-              "with _target_lock(Path(sys.argv[1]), sys.argv[2], None, print):\n"
+    script = ("import sys; from pathlib import Path; from aotbuild.builder.transaction import target_lock\n"
+              "with target_lock(Path(sys.argv[1]), sys.argv[2], None, print):\n"
               "    print('locked', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", script, str(staging_root), name], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
@@ -651,7 +652,8 @@ def _hold_build_lock(staging_root: Path, name: str) -> subprocess.Popen:
 
 
 def test_a_build_waiting_for_another_says_who_and_gives_up_after_wait(tiny_target, tmp_path):
-    from aotbuild.builder import STAGING_DIRNAME, build
+    from aotbuild.builder import build
+    from aotbuild.builder.transaction import STAGING_DIRNAME
 
     (tmp_path / STAGING_DIRNAME).mkdir()
     holder = _hold_build_lock(tmp_path / STAGING_DIRNAME, tiny_target.name)

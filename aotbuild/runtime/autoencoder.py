@@ -9,10 +9,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import AotbuildError, UnsupportedCallError
 from ..pipelines import FRAMEWISE_VAES, vae_factor
+from ..private_apis import IncompatibleKeys
 from .checkpoint import module_tensors
 from .component import CompiledComponent, Config, MissingAttributeError, key_differences
 from .guards import StandIn
@@ -127,7 +127,7 @@ class CompiledAutoencoderBase(StandIn):
             planned = [(part, part._planned_writes(state_dict)) for part in self.parts.values()]
             for part, writes in planned:
                 part._write(writes, state_dict)
-        return _IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys(missing, unexpected)
 
     def enable_slicing(self) -> None:
         self.use_slicing = True

@@ -15,12 +15,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from ..manifest import DTYPES
 from ..pipelines import EDITS_SEVERAL, SIZED_BY_IMAGE, TEXT, frames_around, pipeline_spec
+from ..private_apis import IncompatibleKeys, pytree
 from . import step_cache
 from .checkpoint import module_tensors, placed_writes
 from .guards import StandIn, check_autocast
@@ -158,7 +157,7 @@ class CompiledComponent(StandIn):
         with self._lock:
             missing, unexpected = key_differences(self.component_name, state_dict, eager, strict)
             self._write(self._planned_writes(state_dict, eager), state_dict)
-        return _IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys(missing, unexpected)
 
     def eager_tensors(self) -> dict[str, torch.Tensor]:
         """The eager module's parameters and buffers by name, on the meta device (shapes only)."""

@@ -174,7 +174,7 @@ def install_pipeline_guards() -> None:
       component as it was: the text encoders are not converted before the UNet refuses);
     - `save_pretrained()` refuses before writing anything when a component is compiled;
     - `from_pipe` and `from_pretrained` accept aotbuild's compiled classes wherever a signature
-      names a model class (see `accept_compiled_class`), and a pipeline made by `from_pipe` from a
+      names a model class (see `private_apis.accept_compiled_class`), and a pipeline made by `from_pipe` from a
       compiled one keeps its default size (Flux's img2img sibling would reset it to the class's
       constant, a size the artifact may not cover)."""
     from diffusers import DiffusionPipeline
@@ -222,27 +222,4 @@ def _keeping_default_size(from_pipe: Any) -> Any:
         return made
 
     return keeping
-
-
-_COMPILED_CLASSES: list[type] = []
-
-
-def accept_compiled_class(cls: type) -> None:
-    """diffusers' `from_pipe` keeps a ModelMixin only when its class is the very one the new
-    pipeline's signature names (`UNet2DConditionModel`): the compiled denoiser, a ModelMixin of its
-    own class, would be dropped and the new pipeline refused. aotbuild adds its class to every
-    signature's accepted types (`DiffusionPipeline._get_signature_types`, read by `from_pipe` and
-    `from_pretrained` only), so `Img2ImgPipeline.from_pipe(pipe)` keeps the compiled denoiser."""
-    from diffusers import DiffusionPipeline
-
-    _COMPILED_CLASSES.append(cls)  # the whole-model and the regional denoiser
-    original = DiffusionPipeline.__dict__["_get_signature_types"].__func__
-    if getattr(original, "accepts_compiled", False):
-        return
-
-    def _get_signature_types(pipeline_cls: type) -> dict[str, tuple]:
-        return {name: (*types, *_COMPILED_CLASSES) for name, types in original(pipeline_cls).items()}
-
-    _get_signature_types.accepts_compiled = True
-    DiffusionPipeline._get_signature_types = classmethod(_get_signature_types)
 

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError
+from ..private_apis import accept_compiled_class
 from ..recipes import runtime_scheme
 from .checkpoint import QUANTIZED, child, module_tensors, placement
-from .guards import accept_compiled_class, model_mixin_refusals
+from .guards import model_mixin_refusals
 
 # The keyword arguments through which a pipeline passes the per-call LoRA scale to its denoiser.
 SCALE_KWARGS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
+from ..private_apis import pytree
 from . import step_cache
 from .component import CompiledComponent, unsupported_call
 from .lora import meta_model

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedCallError
+from ..private_apis import block_registry
 from .lora import meta_model
 
 REGIONAL_HINT = ('build the target with [compile] mode = "regional": its blocks are compiled and diffusers\' '
@@ -40,10 +41,9 @@ def register_block_class(compiled: type, eager: type) -> None:
     its outputs are the hidden states), read by the block-level caches."""
     import dataclasses
 
-    from diffusers.hooks._helpers import TransformerBlockRegistry
-
+    registry = block_registry()
     with contextlib.suppress(ValueError):  # an eager class no cache knows: nor does its compiled one
-        TransformerBlockRegistry.register(compiled, dataclasses.replace(TransformerBlockRegistry.get(eager)))
+        registry.register(compiled, dataclasses.replace(registry.get(eager)))
 
 
 def enable(component: str, model: torch.nn.Module | None, model_config: dict[str, Any], config: Any) -> None:

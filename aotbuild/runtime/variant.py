@@ -4,7 +4,6 @@ was compiled for, the checks AOTInductor does not make, and calling it."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -12,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..errors import AotbuildError, CorruptArtifactError
+from ..private_apis import aoti_runner, pytree
 from ..shapes import failed_guard, infer_size, relations_hold, solve
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
@@ -62,7 +61,7 @@ def open_model(package: Path, sha256: str, name: str, device: torch.device) -> A
     if next(folder.glob(f"*/data/aotinductor/{name}/*.so"), None) is None:
         raise CorruptArtifactError(f"{package}: no compiled library for variant {name}")
     index = device.index if device.type == "cuda" and device.index is not None else -1
-    return torch._C._aoti.AOTIModelPackageLoader(os.fspath(folder), name, True, 1, index)
+    return aoti_runner(folder, name, index)
 
 
 def _flattener(spec: pytree.TreeSpec) -> Callable[[Any, list], bool] | None:

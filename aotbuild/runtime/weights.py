@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptArtifactError
+from ..private_apis import storage_at
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,8 +110,7 @@ class Lender:
         view = self._views.get(key)
         if view is None:
             if where not in self._storages:
-                self._storages[where] = torch._C._construct_storage_from_data_pointer(
-                    storage.data_ptr(), tensor.device, storage.nbytes())
+                self._storages[where] = storage_at(storage.data_ptr(), tensor.device, storage.nbytes())
             view = self._views[key] = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
                 self._storages[where], tensor.storage_offset(), tensor.shape, tensor.stride())
         return view

@@ -1,0 +1,204 @@
+"""Capture: load the pipeline, run it at every capture point with its components' calls
+recorded, apply the optimization passes."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import capture, optimize, regions, sources
+from ..manifest import DTYPES
+from ..pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec, seeded_image
+from ..targets import Target
+from .context import Progress
+from .plan import CapturePoint, VariantPlan
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Hand freed tensors back to the device (exported graphs hold their weights in reference cycles)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
+    """Move the pipeline's models that are not compiled (a VAE built without its decoder, a
+    safety checker; the text encoders are already off) to the host."""
+    compiled = {s.attribute for s in specs}
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module) and name not in compiled:
+            component.to("cpu")
+
+
+def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
+                 device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module] | None = None,
+                 timed: dict[str, tuple[torch.nn.Module, str]] | None = None,
+                 ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls],
+                            dict[str, dict[str, float]]]:
+    """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
+    seconds in each of the `timed` methods and the run's steps}, for the point that ran the pipeline):
+    one pipeline call per distinct point for the components the pipeline calls; random inputs for
+    the others (the encoder) and for tiles.
+
+    One group of models is on the device at a time: the text encoders encode the prompt for each
+    batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
+    peak is the larger group, not the whole pipeline (full-size Flux in float32: T5-XXL 19 GB,
+    the transformer 48 GB)."""
+    recorded = [s for s in specs if s.recorded]
+    runs = {p.run for p in points.values() if p.tile_of is None}
+    models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    encoders = [m for n, m in models.items() if n.startswith("text_encoder")]
+    others = [m for n, m in models.items() if not n.startswith("text_encoder")]
+    embeds: dict[tuple[int, bool, int | None], Any] = {}  # (images, guided, text length)
+    if spec.prompt_embeds is None:  # the pipeline encodes its prompt at each capture
+        others += encoders
+    elif recorded and runs:
+        for module in encoders:
+            module.to(device)
+        embeds = {(batch, guided, text): capture.encode_prompt(
+                      pipe, spec, batch=batch, device=device,
+                      guidance_scale=target.guidance_scale if guided else UNGUIDED, text=text)
+                  for batch, guided, text in sorted({(r[0], r[3], r[4]) for r in runs}, key=str)}
+        for module in encoders:
+            module.to("cpu")
+    for module in others:
+        module.to(device)
+    runs_done: dict[tuple, dict] = {}
+    block_runs: dict[tuple, regions.BlockCalls] = {}
+    seconds: dict[str, dict[str, float]] = {}
+    calls: dict[str, dict[str, capture.CapturedCall]] = {}
+    block_calls: dict[str, regions.BlockCalls] = {}
+    for name, point in points.items():
+        key = point.run
+        calls[name] = {}
+        if point.tile_of is None and recorded:  # capture_inputs records these only
+            if key not in runs_done:
+                progress("capture", f"at {point} (batch x height x width)")
+                extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
+                if point.images:  # an EDITS_SEVERAL call: the images it edits together, in order
+                    extras = {**(extras or {}), "image": [seeded_image(*size) for size in point.images]}
+                with regions.recording(blocks or {}) as block_runs[key]:
+                    runs_done[key] = capture.capture_inputs(
+                        pipe, recorded, batch=point.batch, height=point.height, width=point.width,
+                        guidance_scale=target.guidance_scale if point.guided else UNGUIDED, text=point.text,
+                        prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras,
+                        image=point.image, frames=point.frames, timed_methods=timed,
+                        timings=seconds.setdefault(name, {}))
+            calls[name].update(runs_done[key])
+            if blocks:
+                block_calls[name] = block_runs[key]
+        for s in specs:
+            if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
+                calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
+    return calls, block_calls, seconds
+
+
+def eager_vae_record(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:
+    """Why the pipeline's VAE decodes eager where no part of it is compiled, and the methods whose
+    time the reference capture measures for `eager_share` (None: a VAE part is compiled, or no VAE)."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not any(s.denoiser for s in specs) or any(s.attribute == "vae" for s in specs):
+        return None
+    if "vae_decoder" in spec.components:
+        reason = "the target's [components] lists no vae_decoder"
+    else:
+        reason = (f"{type(vae).__name__} is not one of the VAEs whose decoder and encoder aotbuild compiles "
+                  f"({', '.join(COMPILED_VAES)})")
+    denoisers = {s.name: (getattr(pipe, s.attribute), s.method) for s in specs if s.denoiser}  # Wan 2.2: two
+    return {"class": type(vae).__name__, "reason": reason, "timed": {"decode": (vae, "decode"), **denoisers}}
+
+
+def eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The eager VAE's share of a generation at each of the denoiser's buckets (`plans`), from the
+    reference capture (eager float32 on the build machine, one step unless a model is called later):
+    decode / (decode + the denoisers' seconds per step x the pipeline's default number of steps)."""
+    parameter = inspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
+    steps = parameter.default if parameter is not None and isinstance(parameter.default, int) else 50
+    shares = {}
+    for plan in plans:
+        measured = dict(seconds.get(plan.points[0]) or {})
+        decode, runs = measured.pop("decode", 0.0), measured.pop("steps", 0)
+        step = sum(measured.values()) / runs if runs else 0.0  # every denoiser call of a step
+        if plan.kind == "bucket" and step > 0:
+            shares[plan.name] = {"decode_s": round(decode, 6), "denoiser_step_s": round(step, 6), "steps": steps,
+                                 "share": round(decode / (decode + steps * step), 4)}
+    return shares
+
+
+def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.device, folder: Path | None = None) -> Any:
+    """The target's pipeline in float32 on `device`, from `folder` (its source, already resolved)."""
+    if folder is None:
+        folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),
+                                        dtype=target.dtype)
+    seed = target.seed if sources.is_random(target.source) else None
+    components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32,
+                                         half_files=target.dtype in sources.HALF_DTYPES)
+    pipe = sources.assemble_pipeline(spec, folder, components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def default_pixels(pipe: Any, spec: PipelineSpec, target: Target) -> dict[str, int | None]:
+    """The size the pipeline makes when a call gives none ("native"), and the size the compiled
+    pipeline makes instead ("served"): the native one when a bucket or the dynamic range covers it
+    for one image, else the first square bucket (None: no square bucket, the caller must choose)."""
+    configs = {name: dict(m.config) for name, m in pipe.components.items()
+               if isinstance(getattr(m, "config", None), dict)}  # diffusers models' configs (FrozenDict)
+    fixed = _call_default_pixels(pipe)  # a size in the call's signature: no config can move it
+    native = fixed or (spec.default_pixels(configs) if spec.default_pixels else _pipeline_default_pixels(pipe, spec))
+    if native is None:
+        return {"native": None, "served": None}
+    dynamic = target.dynamic
+    covered = any(b.height == b.width == native for b in target.shapes) or bool(
+        dynamic and not native % target.stride and all(dynamic[a][0] <= native <= dynamic[a][1]
+                                                       for a in ("height", "width")))
+    square = None if fixed else next((b.height for b in target.shapes if b.height == b.width), None)
+    return {"native": native, "served": native if covered else square}
+
+
+def _call_default_pixels(pipe: Any) -> int | None:
+    """The square size a pipeline's call defaults to in its signature (AuraFlow's 1024; Flux
+    Kontext scales every size to the area `max_area`, 1024 x 1024 by default; Qwen-Image-Edit
+    makes the edited image's aspect ratio at its area, `SIZED_BY_IMAGE`), if any."""
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    area = parameters["max_area"].default if "max_area" in parameters else SIZED_BY_IMAGE.get(type(pipe).__name__)
+    if isinstance(area, int) and math.isqrt(area) ** 2 == area:
+        return math.isqrt(area)
+    sizes = {parameters[a].default for a in ("height", "width") if a in parameters}
+    size = sizes.pop() if len(sizes) == 1 else None
+    return size if isinstance(size, int) else None
+
+
+def _pipeline_default_pixels(pipe: Any, spec: PipelineSpec) -> int | None:
+    """What most pipelines do when a call gives no size: `default_sample_size` (else the
+    denoiser's `sample_size`) latent pixels times `vae_scale_factor`; None when they say neither."""
+    denoiser = next(getattr(pipe, c.attribute) for c in spec.components.values() if c.denoiser)
+    latent = getattr(pipe, "default_sample_size", None) or getattr(denoiser.config, "sample_size", None)
+    factor = getattr(pipe, "vae_scale_factor", None)
+    return latent * factor if isinstance(latent, int) and isinstance(factor, int) else None
+
+
+def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> tuple[dict, dict[str, Any]]:
+    """Apply the target's dtype and passes: the compiled modules get the passes, the other models
+    (text encoders) the dtype, as a served pipeline would have them. Returns (modules, records).
+    The VAE's parts are one module: it gets each pass once, under its first part's name."""
+    modules = {s.name: getattr(pipe, s.attribute) for s in specs}
+    first = {}
+    for name, module in modules.items():
+        first.setdefault(id(module), name)
+    unique = {name: modules[name] for name in first.values()}
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module) and id(component) not in first \
+                and getattr(component, "dtype", None) != DTYPES[target.dtype]:  # a cast that is no cast warns
+            component.to(DTYPES[target.dtype])
+    force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in unique.items()}
+    dtypes = optimize.apply_dtype(unique, target.dtype, force_upcast)
+    dtypes = {name: dtypes[first[id(module)]] for name, module in modules.items()}
+    passes = optimize.apply_passes(unique, target.optimize, target.device)
+    changes_inputs = any(d != "float32" for d in dtypes.values()) or bool(target.optimize)
+    return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}

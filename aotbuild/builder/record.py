@@ -1,0 +1,44 @@
+"""What the manifest records besides the components: the environment, the source read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import export, sources
+from ..manifest import environment
+from ..targets import Target
+
+
+def permuted_inputs(components: dict[str, Any]) -> bool:
+    """Whether an input is laid out as a permutation (older runtimes would make it contiguous)."""
+    entries = [*components.values(), *(r for c in components.values() for r in c.get("regions", ()))]
+    return any(isinstance(leaf.get("layout"), list) for e in entries for v in e["variants"] for leaf in v["inputs"])
+
+
+def build_environment(target: Target, inductor_options: dict[str, Any]) -> dict[str, Any]:
+    """This machine's fingerprint, plus what the build decided about its code: whether the kernels
+    carry PTX for later GPUs (the compatibility check and the Hub variant name read it from here),
+    which CPU baseline the host code of a CUDA build targets, and the Triton that made the kernels."""
+    env = environment(target.device)
+    if target.gpu is not None:
+        env["gpu_multi_arch"] = target.gpu.multi_arch
+    if target.device == "cuda":
+        env["host_march"] = inductor_options.get(export.MARCH_OPTION, "native")
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+    return env
+
+
+def source_record(target: Target, folder: Path | None = None) -> dict[str, Any]:
+    """Where the pipeline came from: a Hub id and revision, a random config set and seed, or a
+    local folder by its name only (its path would tie the artifact to this machine); and what its
+    weights were (`sources.source_identity`: the commit, or the folder's fingerprint), from the
+    `folder` read, else as the source is now."""
+    return {"id": sources.recorded_source(target.source, target.base_dir), "revision": target.revision,
+            "seed": target.seed if sources.is_random(target.source) else None,
+            **sources.source_identity(target.source, target.revision, target.base_dir, folder)}

@@ -1,0 +1,124 @@
+"""Validation: every compiled variant, loaded as the runtime loads it, against the eager float32
+reference on the captured calls (and replayed as a CUDA graph where the target asks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import optimize
+from ..errors import BuildError, NumericsError
+from ..manifest import sha256_file, validated_with_tf32
+from ..private_apis import pytree
+from ..runtime import CompiledVariant, GraphPool, load_weights
+from ..runtime.regional import component_variants
+from ..runtime.variant import LoadContext
+from .plan import CapturePoint, VariantPlan
+
+# Largest allowed relative error (max |compiled - eager fp32| / max |eager fp32|) per compute dtype.
+TOLERANCES = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
+# A CUDA graph replays the very kernels of a plain run on the same inputs: only the order of
+# atomic additions may differ.
+GRAPH_TOLERANCE = 1e-3
+
+
+def validate_artifact(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, CapturePoint],
+              plans: dict[str, list[VariantPlan]], device: torch.device, allow_drift: bool) -> None:
+    """Run each compiled variant through the runtime's own loader on the float32 captured inputs
+    (cast to the variant's dtypes) and compare with the eager float32 output at every point it
+    serves: a bucket with 1 image and its batch (and with and without guidance), the dynamic model
+    at the range's corners and its base point, a tile model at the smallest and largest tiles."""
+    failures, graph_failures = [], []
+    graph_pool = GraphPool(device) if manifest["runtime"]["cuda_graphs"] else None
+    tf32 = validated_with_tf32(manifest)
+    for name, entry in manifest["components"].items():
+        layouts = entry["constants"]["layouts"]
+        weights = load_weights(out / entry["weights"], device, layouts)
+        tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
+        package_sha = sha256_file(out / entry["package"])
+        opened, _ = component_variants(out / entry["package"], entry, weights, package_sha, layouts,
+                                       LoadContext(device, tf32=tf32))
+        plain = {variant.name: variant for variant in opened}
+        for variant_entry in entry["variants"]:
+            variant = plain[variant_entry["name"]]
+            checked = next(plan.points for plan in plans[name] if plan.name == variant.name)
+            errors = {}
+            for point in checked:
+                call = reference[point][name]
+                leaves = variant.flatten(call.args, call.kwargs)
+                if leaves is None or not variant.accepts(leaves):
+                    raise BuildError(f"{name} {variant.name}: the compiled model refuses the inputs captured at "
+                                     f"{points[point]}")
+                with torch.no_grad():
+                    errors[str(points[point])] = output_error(variant.run(leaves), call.output)
+            worst_abs, worst_rel = max(errors.values(), key=lambda e: e[1] if e[1] == e[1] else float("inf"))
+            variant_entry["numerics"] = {
+                "max_abs_error": worst_abs, "max_rel_error": worst_rel, "tolerance": tolerance,
+                "reference": "eager float32, unoptimized", "checked_at": list(errors),
+            }
+            if not worst_rel <= tolerance:  # also catches NaN
+                failures.append(f"{name} {variant.name}: relative error {worst_rel:.3g} > {tolerance:g}")
+        if graph_pool is not None:
+            graph_failures += _check_cuda_graphs(out / entry["package"], entry, name, plain, weights, package_sha,
+                                                 layouts, reference, LoadContext(device, graph_pool, tf32))
+        # The bound weights stay on the device regardless: torch 2.13 never deletes its handle to a
+        # user-managed constant (fixed upstream by pytorch#194480), so they live until the build ends.
+        del plain, weights, variant
+    if graph_failures:  # a wrong replay is a defect, not drift: no flag accepts it
+        raise BuildError("; ".join(graph_failures), hint="set cuda_graphs = false in the target")
+    if failures and not allow_drift:
+        raise NumericsError("compiled output differs from eager: " + "; ".join(failures),
+                            hint="inspect the recipe, or accept with --allow-numerics-drift")
+
+
+def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, plain: dict[str, CompiledVariant],
+                       weights: dict, package_sha: str, layouts: dict[str, dict], reference: dict,
+                       context: LoadContext) -> list[str]:
+    """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
+    component captured into one shared pool, then each replayed on new random inputs. Records each
+    variant's largest relative difference in its numerics; returns the failures."""
+    opened, _ = component_variants(package, entry, weights, package_sha, layouts, context)
+    graphed = {v.name: v for v in opened if "bucket" in v.entry}
+    generator = torch.Generator().manual_seed(0)
+    diffs: dict[str, float] = dict.fromkeys(graphed, 0.0)
+    first: dict[str, torch.Tensor] = {}
+    failures = []
+    for fresh in (False, True):
+        for name, model in graphed.items():
+            call = reference[name][component]  # a bucket's export point is named after it
+            leaves = [(path, torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
+                       if fresh and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf)
+                      for path, leaf in plain[name].flatten(call.args, call.kwargs)]
+            with torch.no_grad():
+                got, want = (_first_output(m.run(leaves)).float() for m in (model, plain[name]))
+            diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+            diffs[name] = max(diffs[name], diff, key=lambda d: d if d == d else float("inf"))  # NaN wins
+            if fresh and torch.equal(got, first[name]):
+                failures.append(f"{component} {name}: the CUDA graph replay ignored its new inputs")
+            first[name] = got
+    for name, diff in diffs.items():
+        plain[name].entry["numerics"]["cuda_graph_rel_diff"] = diff
+        if not diff <= GRAPH_TOLERANCE:
+            failures.append(f"{component} {name}: CUDA graph replay differs from the plain run by {diff:.3g} "
+                            f"(relative) > {GRAPH_TOLERANCE:g}")
+    return failures
+
+
+def output_error(result: Any, expected: Any) -> tuple[float, float]:
+    """(largest absolute difference, that / the largest absolute value of `expected`) between a
+    model's sample (`_first_output`) and the eager float32 one: the build's numerics, and the bench's."""
+    got, want = _first_output(result).float(), _flat(expected).float()
+    error = (got - want.to(got.device)).abs().max().item()
+    return error, error / max(want.abs().max().item(), 1e-6)
+
+
+def _first_output(result: Any) -> torch.Tensor:
+    """A compiled model's sample (the first output), flat: Z-Image's is a list, one per image."""
+    return _flat(result[0] if isinstance(result, tuple) else result)
+
+
+def _flat(tree: Any) -> torch.Tensor:
+    leaves = pytree.tree_leaves(tree)
+    return leaves[0] if len(leaves) == 1 else torch.cat([t.flatten() for t in leaves])
