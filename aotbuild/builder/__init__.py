@@ -129,6 +129,8 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
 
 
 def check_device(target: Target) -> None:
+    """A CUDA target builds only on a GPU of its compute capability (and with nvcc for
+    multi-arch kernels): refused before anything loads, saying where to build it."""
     if target.device == "cuda":
         if not torch.cuda.is_available():
             cpu = " (this torch is a CPU build)" if torch.version.cuda is None else ""
