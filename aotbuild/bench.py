@@ -398,7 +398,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
 
     from .backends import generate, prepare
-    from .pipelines import requires_image, seeded_image
+    from .pipelines import requires_image, seeded_image, seeded_images
     from .sources import random_init_seconds
 
     def since_spawn() -> float:
@@ -432,8 +432,10 @@ def _worker(args: argparse.Namespace) -> None:
     figures: dict[str, Any] = {"ready_s": since_spawn(), "load_s": load_s, "random_init_s": random_init_seconds(),
                                "load_rss_mib": _rss_mib() - rss_before, "weights_mib": _weights_mib(pipe)}
 
-    # A pipeline that makes videos from an image (Wan's image-to-video) starts from a seeded one.
-    image = seeded_image(bucket.height, bucket.width) if requires_image(type(pipe)) else None
+    # A pipeline that makes videos from an image (Wan's image-to-video) starts from a seeded one;
+    # one that edits several images together edits the bucket's, as the build captured them.
+    image = seeded_images(bucket.images) if bucket.images else \
+        seeded_image(bucket.height, bucket.width) if requires_image(type(pipe)) else None
 
     def call() -> Any:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,

@@ -16,7 +16,7 @@ import math
 import re
 import sys
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,6 +317,12 @@ def seeded_image(height: int, width: int) -> Any:
 
     generator = torch.Generator("cpu").manual_seed(height * 1009 + width)
     return Image.fromarray((torch.rand(height, width, 3, generator=generator) * 255).to(torch.uint8).numpy())
+
+
+def seeded_images(sizes: Sequence[tuple[int, int]]) -> list[Any]:
+    """The images an `EDITS_SEVERAL` call edits together, in order, each seeded by its size: what
+    captures and benches edit for a bucket's or [dynamic]'s `images`."""
+    return [seeded_image(height, width) for height, width in sizes]
 
 
 def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:

@@ -465,6 +465,10 @@ def test_qwen_image_edit_plus_edits_the_images_its_target_names(tmp_path_factory
                                                          rf"\(QwenImageEditPlusPipeline\(height=64, width=64\)\), "
                                                          rf"compiled .* {covers}"):
             run_prompt(compiled, fox, image=images, height=64, width=64)
+    # The images as compiled and a prompt beyond the range: refused for its text length, not its images.
+    with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 601 \(the prompt's tokens; "
+                                                     r"max_sequence_length=512\) in this call; compiled: 2-500, 512"):
+        run_prompt(compiled, fox * 100, image=[square, wide], height=64, width=64)
     # The command line: --image twice edits both, in order.
     for i, picture in enumerate((square, wide)):
         picture.save(tmp_path / f"{i}.png")

@@ -50,6 +50,8 @@ def test_the_bucket_names_the_edited_image(kontext):
     assert variants["b1_64x64_image48x80"] == "64x64 px editing a 48x80 px image, 1 image, text length 512"
     encoder = [v["name"] for v in built.manifest["components"]["vae_encoder"]["variants"]]
     assert encoder == ["b1_48x80", "dynamic"]  # the encoder encodes the edited image, at its size
+    decoder = [v["name"] for v in built.manifest["components"]["vae_decoder"]["variants"]]
+    assert decoder == ["b1_64x64", "dynamic"]  # the decoder decodes the output: the image is not its shape
 
 
 @pytest.mark.parametrize(("call", "transformer", "encoder"), [

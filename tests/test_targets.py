@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,20 @@ def test_guidance_choice_is_refused_where_the_batch_ignores_it(tmp_path):
     path.write_text(text)
     with pytest.raises(TargetError, match="FluxPipeline's denoiser batch is the same with and without guidance"):
         load_target(path)
+
+
+def test_an_edited_images_encoder_is_exported_at_its_largest_call():
+    """The VAE encoder of an editing pipeline gets a bucket per size its images are resized to;
+    each is exported at the largest call it serves (its batch), as every bucket is."""
+    from aotbuild.builder.plan import plan_target
+    from aotbuild.pipelines import pipeline_spec
+
+    target = load_target(TARGETS / "cpu-tiny-qwen-image-edit-plus.toml")
+    target = dataclasses.replace(target, dynamic={**target.dynamic, "batch": [1, 2]})
+    spec = pipeline_spec(target.pipeline)
+    points, plans = plan_target(target, spec, [spec.component(n) for n in target.components], None, 1)
+    encoders = {plan.name: plan for plan in plans["vae_encoder"]}
+    assert set(encoders) == {"b1_736x1440", "b2_1024x1024", "b2_736x1440"}
+    for plan in encoders.values():
+        assert points[plan.points[0]].batch == plan.bucket.batch
+        assert {points[p].encoded for p in plan.points} == {(plan.bucket.height, plan.bucket.width)}

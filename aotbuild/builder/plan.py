@@ -123,7 +123,7 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
             if s.denoiser:
                 plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
             elif all(plan.bucket != untexted for plan in plans[s.name]):
-                named = variant_name(untexted) if points[name].resized else name
+                named = variant_name(untexted) if bucket.image or points[name].resized else name
                 plans[s.name].append(VariantPlan(named, "bucket", tuple(served), bucket=untexted))
     if target.dynamic:
         ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
@@ -189,9 +189,10 @@ def _plan_encoded(plans: list[VariantPlan], points: dict[str, CapturePoint], ser
                   frames: int | None) -> None:
     """The VAE encoder of an editing pipeline: a bucket at each size it sees an edited image at
     (Flux Kontext's as given, Qwen-Image-Edit's resized by the pipeline), served by the points
-    that encode one at that size, unless a bucket of that size and batch is planned."""
+    that encode one at that size (the largest call first: the one it is exported at), unless a
+    bucket of that size and batch is planned."""
     for size in dict.fromkeys(points[p].encoded for p in served):
-        at = tuple(p for p in served if points[p].encoded == size)
+        at = tuple(sorted((p for p in served if points[p].encoded == size), key=lambda p: -points[p].batch))
         bucket = ShapeBucket(max(points[p].batch for p in at), *size, frames=frames)
         if all(plan.bucket != bucket for plan in plans):
             plans.append(VariantPlan(variant_name(bucket), "bucket", at, bucket=bucket))

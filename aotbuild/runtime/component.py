@@ -563,10 +563,13 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
     """Why no variant takes this call, in the user's terms: an input the compiled code was not
     traced with (named, with the diffusers feature that adds it), or a size or guidance outside
     what the variants cover (with the pipeline call that asked for it, when one is running)."""
-    expected = {leaf["path"]: leaf for leaf in variants[0].inputs}
+    # The variant whose inputs have this call's structure (variants may edit different numbers of
+    # images), else the first: what the call is compared with, input by input.
+    reference = next((v for v in variants if v.flatten(args, kwargs) is not None), variants[0])
+    expected = {leaf["path"]: leaf for leaf in reference.inputs}
     given = {leaf_name(p): x for p, x in pytree.tree_flatten_with_path((args, kwargs))[0]}
     # The traced call's arguments, empty ones included (Flux's joint_attention_kwargs={} has no leaf).
-    heads = {path.split(".")[0] for path in expected} | set(variants[0].in_spec.child(1).context)
+    heads = {path.split(".")[0] for path in expected} | set(reference.in_spec.child(1).context)
     for path, value in given.items():
         spec = expected.get(path)
         if spec is None:
