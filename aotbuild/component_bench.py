@@ -129,16 +129,13 @@ def _reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
     float32 pipeline makes to it at the first bucket, with its output."""
     from . import capture
     from .builder.capturing import load_source_pipeline
-    from .pipelines import UNGUIDED, pipeline_spec, seeded_images
+    from .pipelines import UNGUIDED, pipeline_spec
 
     pipeline = pipeline_spec(target.pipeline)
     pipe = load_source_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
     bucket = target.shapes[0]
     if spec.recorded:
-        extras = pipeline.capture_extras(bucket.batch, bucket.height, bucket.width) if pipeline.capture_extras \
-            else None
-        if bucket.images:  # the images a call edits together, as the build captured them
-            extras = {**(extras or {}), "image": seeded_images(bucket.images)}
+        extras = pipeline.call_extras(bucket.batch, bucket.height, bucket.width, bucket.images)
         call = capture.capture_inputs(
             pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
             guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,

@@ -191,6 +191,15 @@ class PipelineSpec:
     # `image` size is a shape, and the capture passes such an image unresized.
     edits: bool = False
 
+    def call_extras(self, batch: int, height: int, width: int,
+                    images: Sequence[tuple[int, int]] | None = None) -> dict[str, Any] | None:
+        """The arguments a capture's call takes besides the prompt and size (`capture_extras`), and
+        the images an `EDITS_SEVERAL` call edits together (`images`, in order)."""
+        extras = self.capture_extras(batch, height, width) if self.capture_extras else None
+        if images:
+            extras = {**(extras or {}), "image": seeded_images(images)}
+        return extras
+
     def component(self, name: str) -> ComponentSpec:
         try:
             return self.components[name]

@@ -14,6 +14,11 @@ from typing import Any
 
 import torch
 
+# torch.nn.modules.module._IncompatibleKeys: the (missing_keys, unexpected_keys) named tuple
+# `load_state_dict` returns; the stand-ins return the same type. Without it: callers reading
+# `.missing_keys` of a compiled module's load_state_dict would fail.
+from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
+
 # torch.utils._pytree: the trees torch.export writes call signatures in (`TreeSpec`,
 # `treespec_dumps`/`treespec_loads`, `tree_flatten`, `SUPPORTED_NODES`). Without it: no in_spec to
 # record at build or check at load, no flattening of a call into the compiled model's inputs.
@@ -24,11 +29,6 @@ __all__ = [
     "fake_tensor_mode", "inductor_config", "package_aoti", "python_printer", "pytree", "ray_started_head",
     "serve_http_port", "shape_env", "storage_at", "unwrap_tensor_subclasses",
 ]
-
-# torch.nn.modules.module._IncompatibleKeys: the (missing_keys, unexpected_keys) named tuple
-# `load_state_dict` returns; the stand-ins return the same type. Without it: callers reading
-# `.missing_keys` of a compiled module's load_state_dict would fail.
-from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys  # noqa: E402
 
 
 def aoti_runner(folder: str | os.PathLike, name: str, device_index: int) -> Any:

@@ -430,7 +430,8 @@ def _edited_images(origin: str, key: str, value: Any, spec: Any) -> tuple[tuple[
     image's aspect ratio, so their aspect ratios are what the compiled model holds."""
     if spec.class_name not in EDITS_SEVERAL:
         raise TargetError(f"{origin}: key {key!r}: {spec.class_name}'s call edits no list of images together, so "
-                          f"their sizes are not a shape to choose", hint="QwenImageEditPlusPipeline's does")
+                          f"their sizes are not a shape to choose",
+                          hint=f"{' and '.join(EDITS_SEVERAL)} edit several")
     valid = isinstance(value, list) and value and all(
         isinstance(size, list) and len(size) == 2 and all(type(v) is int and v > 0 for v in size) for size in value)
     if not valid:

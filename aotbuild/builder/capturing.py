@@ -13,7 +13,7 @@ import torch
 
 from .. import capture, optimize, regions, sources
 from ..manifest import DTYPES
-from ..pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec, seeded_images
+from ..pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec
 from ..targets import Target
 from .context import Progress
 from .plan import CapturePoint, VariantPlan
@@ -79,9 +79,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
         if point.tile_of is None and recorded:  # capture_inputs records these only
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
-                extras = spec.capture_extras(point.batch, point.height, point.width) if spec.capture_extras else None
-                if point.images:  # an EDITS_SEVERAL call: the images it edits together, in order
-                    extras = {**(extras or {}), "image": seeded_images(point.images)}
+                extras = spec.call_extras(point.batch, point.height, point.width, point.images)
                 with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, batch=point.batch, height=point.height, width=point.width,

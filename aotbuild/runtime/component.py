@@ -641,7 +641,7 @@ def _text_length(variants: list[CompiledVariant], args: tuple, kwargs: dict) -> 
     (Qwen-Image-Edit's edited image)."""
     for variant in variants:
         leaves = variant.flatten(args, kwargs)
-        if leaves is None or len(leaves) != len(variant.inputs):  # another structure (more or fewer images)
+        if leaves is None:  # another structure (more or fewer images)
             continue
         for (_, leaf), expected in zip(leaves, variant.inputs, strict=True):
             for d, dim in enumerate(expected.get("dims", ())):
