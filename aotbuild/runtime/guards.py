@@ -175,9 +175,10 @@ def install_pipeline_guards() -> None:
     - `save_pretrained()` refuses before writing anything when a component is compiled;
     - `from_pipe` and `from_pretrained` accept aotbuild's compiled classes wherever a signature
       names a model class (see `private_apis.accept_compiled_class`), and a pipeline made by `from_pipe` from a
-      compiled one keeps its default size (Flux's img2img sibling would reset it to the class's
-      constant, a size the artifact may not cover)."""
+      compiled one keeps its default size (`default_size.keeping_default_size`)."""
     from diffusers import DiffusionPipeline
+
+    from .default_size import keeping_default_size  # it imports this module's StandIn
 
     if getattr(DiffusionPipeline.to, "checks_compiled", False):
         return
@@ -205,21 +206,4 @@ def install_pipeline_guards() -> None:
 
     for cls in (DiffusionPipeline, diffusers.AutoPipelineForText2Image, diffusers.AutoPipelineForImage2Image,
                 diffusers.AutoPipelineForInpainting):
-        cls.from_pipe = classmethod(_keeping_default_size(cls.__dict__["from_pipe"].__func__))
-
-
-def _keeping_default_size(from_pipe: Any) -> Any:
-    """`from_pipe` whose pipeline, when it holds compiled components, keeps its source's default
-    size (`default_sample_size`: the size the artifact serves by default, see `runtime.load`)."""
-
-    def keeping(cls: type, pipeline: Any, **kwargs: Any) -> Any:
-        made = from_pipe(cls, pipeline, **kwargs)
-        compiled = any(isinstance(m, StandIn) for m in made.components.values())
-        same_scale = getattr(made, "vae_scale_factor", None) == getattr(pipeline, "vae_scale_factor", None)
-        if compiled and same_scale and hasattr(made, "default_sample_size") \
-                and hasattr(pipeline, "default_sample_size"):
-            made.default_sample_size = pipeline.default_sample_size
-        return made
-
-    return keeping
-
+        cls.from_pipe = classmethod(keeping_default_size(cls.__dict__["from_pipe"].__func__))

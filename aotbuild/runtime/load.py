@@ -24,7 +24,8 @@ from ..pipelines import pipeline_spec
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
 from .checkpoint import checkpoint_constants, module_tensors
-from .component import CompiledComponent, Config
+from .component import CompiledComponent
+from .default_size import serve_default_size, set_pipeline_default_size
 from .graphs import GraphPool
 from .guards import install_pipeline_guards
 from .lora import lora_component_class
@@ -180,46 +181,12 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
                 parts.setdefault(entry["attribute"], (entry["config"], {}))[1][part] = component
     for attribute, (config, found) in parts.items():
         modules[attribute] = autoencoder_class(config.get("_class_name", "AutoencoderKL"))(config, found)
-    _serve_default_size(manifest, modules)
+    serve_default_size(manifest, modules)
     return manifest, modules
 
 
 class UncuratedPipelineWarning(UserWarning):
     """The artifact's pipeline class has no aotbuild entry: it was built by capture."""
-
-
-def _served_default(manifest: dict[str, Any]) -> tuple[int, int] | None:
-    """(served, native) pixels when the build chose another default size than the pipeline's own
-    (`default_pixels` in the manifest's runtime record), else None."""
-    sizes = manifest["runtime"].get("default_pixels") or {}
-    served, native = sizes.get("served"), sizes.get("native")
-    return (served, native) if served is not None and served != native else None
-
-
-def _serve_default_size(manifest: dict[str, Any], modules: dict[str, Any]) -> None:
-    """When no variant covers the size a pipeline makes by default, the compiled denoiser reports
-    the size the build chose instead as its `sample_size`, which the pipelines read for their
-    default; a warning says so once per load, naming both sizes."""
-    if (sizes := _served_default(manifest)) is None:
-        return
-    served, native = sizes
-    warnings.warn(f"aotbuild: this artifact does not cover {manifest['target']['pipeline']}'s own default size, "
-                  f"{native}x{native} px; a call that gives no height and width makes {served}x{served} px (the "
-                  f"artifact's first square bucket) instead", stacklevel=2)
-    for module in modules.values():
-        if isinstance(module, CompiledComponent) and "sample_size" in module.config:
-            factor = native // module.config["sample_size"] if module.config["sample_size"] else 0
-            if factor and not served % factor:
-                module.config = Config({**module.config, "sample_size": served // factor})
-
-
-def _default_size_of(pipe: Any, manifest: dict[str, Any]) -> None:
-    """Pipelines that keep their default size in `default_sample_size` (SDXL, SD3, Flux) get the
-    served one too (Flux's is a constant, not read from the model's config)."""
-    sizes = _served_default(manifest)
-    factor = getattr(pipe, "vae_scale_factor", None)
-    if sizes is not None and factor and hasattr(pipe, "default_sample_size"):
-        pipe.default_sample_size = sizes[0] // factor
 
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
@@ -293,7 +260,7 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
                                  cuda_graphs=cuda_graphs, weights=originals if weights == "pipeline" else None)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
-    _default_size_of(pipe, manifest)
+    set_pipeline_default_size(pipe, manifest)
     return pipe
 
 
@@ -378,7 +345,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     source_folder, seed = _source_folder(manifest, folder, source, skip=set(modules))
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
-    _default_size_of(pipe, manifest)
+    set_pipeline_default_size(pipe, manifest)
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
 
 
