@@ -174,15 +174,23 @@ class Generation:
     step_durations_s: list[float]  # each denoising step (the first includes prompt encoding)
 
 
-def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | None = None,
+def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list[int], height: int | None = None,
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
-             frames: int | None = None, text: int | None = None) -> Generation:
+             frames: int | None = None, text: int | None = None, mask: Any = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
     cold start shows) and the total. With `image` (a PIL image; a list of those, edited together
     by an `EDITS_SEVERAL` pipeline), img2img: the pipeline's
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
-    width; `strength` as diffusers takes it. `text`: the call's max_sequence_length (None: its default)."""
+    width; `strength` as diffusers takes it. With `mask` too (white repaints, black keeps), inpainting:
+    the pipeline's inpainting sibling. `text`: the call's max_sequence_length (None: its default).
+    Several requests in one call: a list of prompts and a seed each, one image each (`batch` 1);
+    each image's noise is drawn from its own seed, as when its prompt is made alone."""
+    if isinstance(prompt, list) != isinstance(seed, list) or isinstance(seed, list) and (
+            len(seed) != len(prompt) or batch != 1):
+        raise AotbuildError("a batch of requests is a list of prompts with a seed each, one image per prompt")
+    if mask is not None and (image is None or isinstance(image, list)):
+        raise AotbuildError("a mask goes with one image: the image to inpaint")
     marks: list[float] = []
     # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
@@ -198,13 +206,21 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     if image is None:
         call |= exact_size(type(pipe), height, width) if height and width else {}
     else:
-        if "image" not in inspect.signature(type(pipe).__call__).parameters:  # FLUX.2 edits with its own call
+        # The sibling taking what the call brings (FLUX.2 edits with its own call; an inpainting
+        # checkpoint's pipeline takes the mask itself).
+        needed = "mask_image" if mask is not None else "image"
+        if needed not in inspect.signature(type(pipe).__call__).parameters:
             from .runtime.load import quiet_libraries
 
             with quiet_libraries():
-                from diffusers import AutoPipelineForImage2Image
+                from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 
-                pipe = AutoPipelineForImage2Image.from_pipe(pipe)
+                sibling = AutoPipelineForInpainting if mask is not None else AutoPipelineForImage2Image
+                try:
+                    pipe = sibling.from_pipe(pipe)
+                except ValueError as exc:  # diffusers has no such sibling for this pipeline
+                    made = "inpainting" if mask is not None else "img2img"
+                    raise AotbuildError(f"{type(pipe).__name__} has no {made} sibling in diffusers ({exc})") from None
             pipe.set_progress_bar_config(disable=True)
         if isinstance(image, list) and type(pipe).__name__ not in EDITS_SEVERAL:
             raise AotbuildError(f"{type(pipe).__name__} takes one image, not {len(image)}",
@@ -212,6 +228,8 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
         # Qwen-Image-Edit sizes its call from the image's aspect ratio: resizing it would squash it.
         sized_by_image = type(pipe).__name__ in SIZED_BY_IMAGE
         call["image"] = image.resize((width, height)) if height and width and not sized_by_image else image
+        if mask is not None:
+            call["mask_image"] = mask.resize((width, height)) if height and width else mask
         call["strength"] = strength
     taken = inspect.signature(type(pipe).__call__).parameters
     step = frames_step(pipe)
@@ -236,7 +254,9 @@ def generate(pipe: Any, prompt: str, *, steps: int, seed: int, height: int | Non
     start = time.perf_counter()
     try:
         with torch.no_grad():
-            result = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **call)
+            generator = ([torch.Generator("cpu").manual_seed(s) for s in seed] if isinstance(seed, list)
+                         else torch.Generator("cpu").manual_seed(seed))
+            result = pipe(prompt=prompt, generator=generator, output_type="pil", **call)
     except ValueError as exc:  # the pipeline's own input checks (diffusers: height in 8s, and the like)
         asked = ", ".join(f"{k}={v}" for k, v in call.items() if k in ("height", "width", FRAMES, "strength"))
         raise AotbuildError(f"{type(pipe).__name__} refuses this call ({asked}): {str(exc).strip()}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 import warnings
@@ -167,6 +168,8 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
                    "(QwenImageEditPlusPipeline), in order")
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
+@click.option("--mask", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="inpainting: repaint --image where this mask is white, keep it where black (resized like --image)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
                                                              "(MP4); several get -0, -1 ...")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
@@ -184,12 +187,12 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
         batch: int | None, frames: int | None, images: tuple[Path, ...], strength: float | None,
-        output: Path | None,
+        mask: Path | None, output: Path | None,
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
         trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
-    images (Flux Kontext)."""
+    images (Flux Kontext); with --mask too, inpainting."""
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
     from .media import check_video_writer, video_fps, write_video
 
@@ -206,6 +209,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                             f"give --target")
     if strength is not None and not images:
         raise AotbuildError("--strength applies to img2img: give --image too")
+    if mask is not None and len(images) != 1:
+        raise AotbuildError("--mask inpaints one image: give --image once")
     if output is not None and output.suffix.lower() not in (*IMAGE_SUFFIXES, VIDEO_SUFFIX):
         raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name (.mp4 for a video)")
     if output is not None and not output.parent.is_dir():
@@ -244,7 +249,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                    width=width or defaults["width"], batch=batch or (1 if images else defaults["batch"]),
                    guidance_scale=guidance_scale, negative_prompt=negative_prompt,
                    image=_read_images(images), strength=strength,
-                   frames=frames or defaults["frames"], text=defaults["text"])
+                   frames=frames or defaults["frames"], text=defaults["text"],
+                   mask=_read_picture(mask, "--mask", "L") if mask is not None else None)
     if output:
         for i, picture in enumerate(gen.images):
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
@@ -259,7 +265,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
     from .pipelines import edits_image
 
-    mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else " img2img") if images else ""
+    mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else
+            " inpainting" if mask is not None else " img2img") if images else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")
@@ -271,16 +278,14 @@ VIDEO_SUFFIX = ".mp4"
 
 def _read_images(paths: tuple[Path, ...]) -> Any:
     """--image as the call's `image`: None, one RGB image, or the list of those edited together."""
-    from PIL import Image, UnidentifiedImageError
-
-    pictures = []
-    for path in paths:
-        try:
-            with Image.open(path) as picture:
-                pictures.append(picture.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as exc:
-            raise AotbuildError(f"--image {path}: not an image PIL can read ({exc})") from None
+    pictures = [_read_picture(path, "--image") for path in paths]
     return pictures if len(pictures) > 1 else pictures[0] if pictures else None
+
+
+def _read_picture(path: Path, option: str, mode: str = "RGB") -> Any:
+    from .media import read_picture
+
+    return read_picture(path.read_bytes(), f"{option} {path}", mode)
 
 
 @main.command()
@@ -386,7 +391,15 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
                                             "1 repetition, 2 steps, 1 steady image (an option given as well wins)")
 @click.option("--serve", "serve_bench", is_flag=True, help="instead: Ray Serve replica cold start, deploy to first "
                                                         "image, per backend; writes serve-bench.json")
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="with --serve")
+@click.option("--load", metavar="CLIENTSxREQUESTS", help="instead: the artifact on one local Ray Serve replica "
+                                                       "under this load (e.g. 4x8): unbatched, batched, LoRA churn "
+                                                       "(--lora), a replica killed mid-load; writes serve-load.json")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH[:WEIGHT]",
+              help="with --load: LoRAs the requests cycle over; repeatable")
+@click.option("--max-batch", type=click.IntRange(2), default=4, show_default=True,
+              help="with --load: requests made together in the batched phases")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True,
+              help="with --serve or --load")
 @click.option("--component", metavar="NAME", help="instead: this component (unet, transformer, vae_decoder...) called "
                                                   "directly, every runtime in one process, round-robin: aot, the model "
                                                   "alone (aot-model), eager, and the peers openvino, openvino-f32, "
@@ -401,8 +414,8 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
               envvar="AOTBUILD_ARTIFACTS",
               help=ARTIFACTS_HELP)
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, quick: bool, serve_bench: bool,
-          port: int, component: str | None, rounds: int, busy: int, cache_threshold: float, plot_path: Path | None,
-          artifacts: Path) -> None:
+          load: str | None, loras: tuple[str, ...], max_batch: int, port: int, component: str | None, rounds: int,
+          busy: int, cache_threshold: float, plot_path: Path | None, artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json after
     each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
     target, most of it torch.compile; --quick is a first look. With --component: one component
@@ -410,8 +423,25 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     from .bench import BENCH_NAME, CASES, DEFAULT_RATIOS, REGIONAL_CASE, REGIONAL_RATIOS, format_table, plot, run_bench
     from .targets import load_target
 
-    given = {name for name in ("repeats", "steps", "steady", "cases", "rounds", "cache_threshold")
+    given = {name for name in ("repeats", "steps", "steady", "cases", "rounds", "cache_threshold", "max_batch")
              if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if (loras or "max_batch" in given) and load is None:
+        raise AotbuildError("--lora and --max-batch go with --load")
+    if load is not None:
+        from .serve import parse_adapters
+        from .serve_load import SERVE_LOAD_NAME, bench_load, format_load_table
+
+        shape = re.fullmatch(r"([1-9]\d{0,3})x([1-9]\d{0,4})", load)
+        if shape is None:
+            raise AotbuildError(f"--load {load!r}: give CLIENTSxREQUESTS, e.g. 4x8 (4 clients, 8 requests each)")
+        if serve_bench or component or plot_path or given - {"steps", "max_batch"}:
+            raise AotbuildError("--load benches a served artifact; it takes --steps, --lora, --max-batch and --port")
+        document = bench_load(target_name, artifacts, clients=int(shape[1]), requests=int(shape[2]),
+                              steps=steps if "steps" in given else 2, max_batch=max_batch, port=port,
+                              loras=parse_adapters(loras), progress=lambda msg: click.echo(f"[bench] {msg}", err=True))
+        click.echo(format_load_table(document))
+        click.echo(f"wrote {artifacts / document['meta']['target'] / SERVE_LOAD_NAME}")
+        return
     if "cache_threshold" in given and "aot-cache" not in (_listed(cases) or ()):
         raise AotbuildError("--cache-threshold goes with case aot-cache (--cases ...,aot-cache)")
     if component is not None:
@@ -482,21 +512,33 @@ def _listed(cases: str | None) -> tuple[str, ...] | None:
 @click.option("--max-images", type=click.IntRange(1), default=4, show_default=True,
               help="most images a request may ask")
 @click.option("--variant", help="with an hf:// repo holding several targets: the target (or variant path) to serve")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH[:WEIGHT]",
+              help="a LoRA requests may name (\"lora\": NAME): a file or folder here, or a Hub repo org/name; "
+                   "WEIGHT its default weight (1); repeatable")
+@click.option("--lora-slots", type=click.IntRange(1), default=4, show_default=True,
+              help="LoRAs each replica keeps loaded; requests for one go to a replica holding it")
+@click.option("--max-batch", type=click.IntRange(1), default=4, show_default=True,
+              help="requests of one call shape made together at most (1: no batching)")
+@click.option("--batch-wait-ms", type=click.FloatRange(0), default=10, show_default=True,
+              help="how long a request waits for others to batch with")
 @click.option("--trust-remote-code", is_flag=True, help="load an hf:// artifact's native code (compiled libraries "
                                                      "run in this process); local folders need no flag")
 def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
           cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int,
-          variant: str | None, trust_remote_code: bool) -> None:
+          variant: str | None, loras: tuple[str, ...], lora_slots: int, max_batch: int, batch_wait_ms: float,
+          trust_remote_code: bool) -> None:
     """Serve text-to-image (text-to-video) over HTTP on Ray Serve: each replica loads the artifact
     once; POST JSON (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images,
-    frames, output) to the URL: a PNG (an MP4), or JSON."""
+    frames, output, lora, lora_scale) to the URL: a PNG (an MP4), or JSON; or OpenAI's images
+    request to /v1/images/generations."""
     from .hub import check_trusted
-    from .serve import parse_autoscale, run_server
+    from .serve import parse_adapters, parse_autoscale, run_server
 
     if replicas is not None and autoscale is not None:
         raise AotbuildError("give --replicas or --autoscale, not both")
     check_trusted(artifact, trust_remote_code)
     bounds = parse_autoscale(autoscale) if autoscale else None
+    adapters = parse_adapters(loras)  # a missing LoRA file fails here, not in every replica
     if not artifact.startswith("hf://"):
         from .manifest import read_manifest
 
@@ -507,15 +549,17 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
         from .pipelines import requires_image
 
         if requires_image(getattr(diffusers, target["pipeline"])):
-            raise AotbuildError(f"{target['pipeline']} needs an image, and aotbuild serve takes text requests only",
-                                hint="serve a text-to-image or text-to-video artifact; aotbuild run --image makes "
-                                     "this one's images or videos")
+            raise AotbuildError(f"{target['pipeline']} needs an image in every call, and aotbuild serve serves "
+                                f"text-to-image and text-to-video artifacts (with img2img and inpainting from "
+                                f"their images)",
+                                hint="aotbuild run --image makes this one's images or videos")
         if target["device"] == "cuda":
             gpus = 1 if gpus is None else gpus
             gpu_type = gpu_type or target["gpu"]["name"]
     run_server(artifact, host=host, port=port, address=address, echo=click.echo, replicas=replicas or 1,
                autoscale=bounds, cpus=cpus, gpus=gpus or 0, gpu_type=gpu_type, max_steps=max_steps,
-               max_images=max_images, trust_remote_code=trust_remote_code, variant=variant)
+               max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=adapters,
+               lora_slots=lora_slots, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000)
 
 
 @main.command()

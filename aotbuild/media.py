@@ -1,5 +1,6 @@
-"""What a pipeline makes, encoded: PNG images, MP4 videos (diffusers' `export_to_video`, imageio
-with its ffmpeg: the `video` extra). `aotbuild run` writes them, `aotbuild serve` returns them."""
+"""Images and videos in and out: pictures a call starts from, decoded and checked; what a pipeline
+makes, encoded: PNG images, MP4 videos (diffusers' `export_to_video`, imageio with its ffmpeg:
+the `video` extra). `aotbuild run` reads and writes them, `aotbuild serve` takes and returns them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,26 @@ from typing import Any
 from .errors import AotbuildError
 
 VIDEO_FPS = 16  # Wan's frame rate, for pipelines whose call names none
+MAX_PICTURE_PIXELS = 4096 * 4096  # a picture taken in, checked from its header before it is decoded
+
+
+def read_picture(data: bytes, what: str, mode: str = "RGB") -> Any:
+    """A PNG, JPEG or WebP (any format PIL reads) as a PIL image in `mode` ("L" for a mask).
+
+    Raises:
+        AotbuildError: not an image PIL can read, or more than MAX_PICTURE_PIXELS pixels (a
+            decompression bomb is refused from its header, before its pixels are decoded).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as picture:
+            if picture.width * picture.height > MAX_PICTURE_PIXELS:
+                raise AotbuildError(f"{what} is {picture.width}x{picture.height} px; at most "
+                                    f"{MAX_PICTURE_PIXELS} pixels are taken")
+            return picture.convert(mode)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise AotbuildError(f"{what} is not an image PIL can read ({exc})") from None
 
 
 def png_bytes(image: Any) -> bytes:

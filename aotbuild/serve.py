@@ -1,13 +1,19 @@
-"""Serving on Ray Serve (the optional extra `aotbuild[ray]`): each replica loads the artifact once,
-in its constructor, and serves text-to-image (text-to-video) over HTTP.
+"""Serving on Ray Serve (the optional extra `aotbuild[ray]`): an `Ingress` replica takes HTTP and
+routes each request to an `ImageServer` replica, which loads the artifact once, in its
+constructor, and makes images (videos).
 
-    POST /        {"prompt": "...", "steps": 4, "seed": 0, ...}  -> image/png (video/mp4), or JSON with base64 ones
-    GET  /health  200 with what the replica serves, once its compiled models are loaded
+    POST /                        {"prompt": "...", "steps": 4, "seed": 0, "lora": "ink", ...}
+                                  -> image/png (video/mp4), or JSON with base64 ones
+    POST /v1/images/generations   OpenAI's images request ({"prompt", "n", "size": "WxH"}) -> b64_json
+    GET  /health                  200 with what a replica serves, once its compiled models are loaded
 
 A bad request (unknown field, wrong type, a size no compiled variant covers, more steps than
-allowed) gets a 4xx with a readable message, and the replica goes on serving. `aotbuild serve`
-runs it; `app()` gives the Serve application to run yourself. `bench_replicas` measures replica
-cold start, deploy to first response, for aot against eager and torch.compile replicas.
+allowed, a LoRA the server was not started with) gets a 4xx with a readable message, and the
+replica goes on serving. Requests naming a LoRA go to a replica that holds it (Serve's model
+multiplexing); requests of one call shape arriving together run as one batch, each with its own
+seed. `aotbuild serve` runs it; `app()` gives the Serve application to run yourself.
+`bench_replicas` measures replica cold start, deploy to first response, for aot against eager and
+torch.compile replicas.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import os
 import re
 import statistics
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +54,28 @@ REQUEST_FIELDS = {
     "frames": "a video's frame count (an artifact that makes videos)",
     "output": '"png" (one image, the body is the PNG), "mp4" (one video, the body is the MP4) or "json" (base64 '
               'PNGs or MP4s)',
+    "image": "img2img: the picture to start from (base64 PNG/JPEG/WebP, or a multipart file), resized to the size",
+    "mask": "inpainting, with image: where to repaint (white) and keep (black), as image is given",
+    "strength": "img2img, inpainting: how much of the image to repaint, above 0 and at most 1",
+    "lora": "a LoRA the server was started with (--lora NAME=...), by its name",
+    "lora_scale": "the LoRA's weight (default: its --lora weight, else 1)",
 }
+OPENAI_ROUTE = "/v1/images/generations"
+OPENAI_EDITS_ROUTE = "/v1/images/edits"
+OPENAI_ONLY = ("n", "size", "response_format", "model", "user")  # OpenAI's fields; the rest are this server's
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,63}")
+LORA_SLOTS = 4  # adapters a replica keeps loaded (each is its LoRA matrices: megabytes)
+MAX_BATCH = 4  # requests made together at most
+BATCH_WAIT_S = 0.01  # how long a request waits for others to batch with (an image takes far longer)
+# What requests share to run as one batch (each asking one image; prompts and seeds may differ).
+BATCHED_BY = ("height", "width", "steps", "guidance_scale", "negative_prompt", "frames", "lora", "lora_scale")
+UNSET = ("", 0.0)  # an adapter state no request asks for: the pipeline's is unknown
 MAX_STEPS = 50
 MAX_IMAGES = 4
-MAX_BODY_BYTES = 64 * 1024  # a request is a prompt and a few numbers
+MAX_BODY_BYTES = 16 * 2**20  # a prompt and a few numbers, or an image and its mask in base64
+# Form fields of a multipart request that are numbers (the others are text, and files are pictures).
+NUMBER_FIELDS = ("steps", "guidance_scale", "height", "width", "seed", "images", "frames", "strength", "lora_scale",
+                 "n")
 MAX_PROMPT_CHARS = 4096  # tokenizers read the first 77 to 512 tokens of a prompt
 UPSCALE_DELAY_S = 5
 SERVE_BENCH_NAME = "serve-bench.json"
@@ -73,12 +99,16 @@ class RequestError(AotbuildError):
 
 
 def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_STEPS,
-                  max_images: int = MAX_IMAGES) -> dict[str, Any]:
+                  max_images: int = MAX_IMAGES, adapters: dict[str, float] | None = None,
+                  names: dict[str, str] | None = None) -> dict[str, Any]:
     """A request's JSON body checked and completed from `defaults` (`backends.call_defaults`).
+    `adapters`: the LoRAs a request may name, with their default weights. `names`: what a field
+    is called in the request as the client wrote it (an OpenAI request's `n` is `images`).
 
     Raises:
         RequestError: 400, naming the field and what it takes.
     """
+    adapters, names = adapters or {}, names or {}
     if not isinstance(body, dict):
         raise RequestError(400, 'the body must be a JSON object, e.g. {"prompt": "a red fox"}')
     if unknown := sorted(set(body) - set(REQUEST_FIELDS)):
@@ -96,12 +126,26 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
 
     def integer(name: str, low: int, high: int | None = None) -> int:
         value = body.get(name, defaults[name] if name != "images" else 1)  # one image unless asked
+        shown = names.get(name, name)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RequestError(400, f"field {name!r} must be an integer, got {json.dumps(value)}")
+            raise RequestError(400, f"field {shown!r} must be an integer, got {json.dumps(value)}")
         if value < low or (high is not None and value > high):
             limit = f"{low} to {high}" if high is not None else f"at least {low}"
-            raise RequestError(400, f"field {name!r} is {value}; this server takes {limit}")
+            shared = list(names.values()).count(shown) > 1  # `size` gives height and width
+            told = f"{name} {value}" if shared else str(value)
+            raise RequestError(400, f"field {shown!r} is {told}; this server takes {limit}")
         return value
+
+    lora, scale = body.get("lora"), body.get("lora_scale")
+    if lora is not None and (not isinstance(lora, str) or lora not in adapters):
+        served = (f"this server serves: {', '.join(sorted(adapters))}" if adapters else
+                  "this server serves no LoRAs (start it with --lora NAME=PATH)")
+        raise RequestError(400, f"field 'lora' is {json.dumps(lora)}; {served}")
+    if scale is not None:
+        if lora is None:
+            raise RequestError(400, "field 'lora_scale' goes with field 'lora'")
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise RequestError(400, f"field 'lora_scale' must be a finite number, got {json.dumps(scale)}")
 
     guidance = body.get("guidance_scale", defaults["guidance_scale"])
     if isinstance(guidance, bool) or not isinstance(guidance, int | float) or not 0 <= guidance < math.inf:
@@ -113,15 +157,54 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
     output = body.get("output", single)
     if output not in (single, "json"):
         raise RequestError(400, f'field \'output\' is "{single}" or "json", got {json.dumps(output)}')
+    image, mask = (_picture(body, name, mode) for name, mode in (("image", "RGB"), ("mask", "L")))
+    if mask is not None and image is None:
+        raise RequestError(400, "field 'mask' goes with field 'image': the picture to inpaint")
+    strength = body.get("strength")
+    if strength is not None:
+        if image is None:
+            raise RequestError(400, "field 'strength' goes with field 'image'")
+        if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
+            raise RequestError(400, f"field 'strength' must be a number above 0 and at most 1, got "
+                                    f"{json.dumps(strength)}")
+    if image is not None and video:
+        raise RequestError(400, "field 'image': this server makes videos from text only")
     request = {"prompt": prompt, "negative_prompt": negative, "steps": integer("steps", 1, max_steps),
                "guidance_scale": float(guidance), "height": integer("height", 1), "width": integer("width", 1),
                "seed": integer("seed", 0, 2**63 - 1), "images": integer("images", 1, max_images),
-               "frames": integer("frames", 1) if video else None, "output": output}
+               "frames": integer("frames", 1) if video else None, "output": output, "lora": lora,
+               "lora_scale": None if lora is None else float(adapters[lora] if scale is None else scale),
+               "image": image, "mask": mask, "strength": None if strength is None else float(strength)}
     if output == single and request["images"] > 1:
         made = "video" if video else "image"
         raise RequestError(400, f'"output": "{single}" returns one {made}; ask "output": "json" for '
                                 f'{request["images"]}')
     return request
+
+
+def _picture(body: dict[str, Any], name: str, mode: str) -> Any:
+    """Field `name` as a PIL image (None when absent): base64 text (a `data:` URL too) or, from a
+    multipart request, the file's bytes.
+
+    Raises:
+        RequestError: 400, naming the field.
+    """
+    from .media import read_picture
+
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = base64.b64decode(value.partition(",")[2] if value.startswith("data:") else value, validate=True)
+        except ValueError:
+            raise RequestError(400, f"field {name!r} must be a picture in base64 (PNG, JPEG or WebP)") from None
+    if not isinstance(value, bytes):
+        raise RequestError(400, f"field {name!r} must be a picture in base64 (PNG, JPEG or WebP)")
+    try:
+        return read_picture(value, f"field {name!r}", mode)
+    except AotbuildError as exc:
+        raise RequestError(400, exc.message) from None
 
 
 def read_json(raw: bytes) -> Any:
@@ -175,17 +258,158 @@ def scrubbed(text: str) -> str:
     return _MACHINE_PATH.sub("<path>", text)
 
 
+class AdapterSlots:
+    """The LoRAs a replica may serve (`--lora NAME=SOURCE[:WEIGHT]`) and the ones loaded into its
+    pipeline: at most `slots`, the least recently used unloaded first. The caller holds the
+    pipeline's lock: loads and switches change what the next call computes."""
+
+    def __init__(self, pipe: Any, allowed: dict[str, tuple[str, float]], slots: int) -> None:
+        self.pipe, self.allowed, self.slots = pipe, allowed, slots
+        self.loaded: OrderedDict[str, None] = OrderedDict()
+        self.active: tuple[str, float] | None = None  # what the pipeline's adapters are set to; None: off
+        self.loads = self.switches = self.unloads = 0
+
+    def activate(self, name: str | None, scale: float | None) -> None:
+        """Set the pipeline to this adapter at this weight (None: no adapter), loading it first
+        when it is not loaded: the fast path, a rebind of the merged weights."""
+        from .runtime.load import quiet_libraries
+
+        wanted = None if name is None else (name, scale)
+        if wanted == self.active:
+            if name is not None:
+                self.loaded.move_to_end(name)
+            return
+        self.active = UNSET  # until the pipeline is set: a failure half-way leaves it unknown
+        if name is None:
+            if self.loaded:
+                self.pipe.disable_lora()
+        else:
+            if name not in self.loaded:
+                if len(self.loaded) >= self.slots:
+                    evicted, _ = self.loaded.popitem(last=False)
+                    self.pipe.delete_adapters(evicted)
+                    self.unloads += 1
+                source, _ = self.allowed[name]
+                try:
+                    with quiet_libraries():  # diffusers' notes on every load (no text encoder keys) are noise here
+                        self.pipe.load_lora_weights(source, adapter_name=name)
+                except (OSError, ValueError) as exc:  # diffusers' words for a missing or malformed LoRA
+                    raise AotbuildError(f"LoRA {name!r} could not be loaded: {exc}") from None
+                self.loaded[name] = None
+                self.loads += 1
+            self.loaded.move_to_end(name)
+            self.pipe.enable_lora()
+            self.pipe.set_adapters([name], adapter_weights=[scale])
+        self.active = wanted
+        self.switches += 1
+
+
+def parse_adapters(texts: list[str] | tuple[str, ...]) -> dict[str, tuple[str, float]]:
+    """`--lora NAME=SOURCE[:WEIGHT]` options as {name: (source, default weight)}: SOURCE a LoRA
+    file or folder on this machine (it must be there) or a Hub repo `org/name`.
+
+    Raises:
+        AotbuildError: a malformed option, a name given twice, a local LoRA that is not there.
+    """
+    from .backends import parse_lora
+
+    adapters: dict[str, tuple[str, float]] = {}
+    for text in texts:
+        name, sep, source = text.partition("=")
+        if not sep or not ADAPTER_NAME.fullmatch(name) or not source:
+            raise AotbuildError(f"--lora {text!r}: give NAME=PATH-OR-HUB-ID[:WEIGHT], NAME of letters, digits, "
+                                f"'.', '_' or '-' (what requests send as \"lora\")")
+        if name in adapters:
+            raise AotbuildError(f"--lora: the name {name!r} is given twice")
+        adapters[name] = parse_lora(source)
+    return adapters
+
+
+def openai_request(body: Any, *, edits: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
+    """An OpenAI images request (`prompt`, `n`, `size` as "WxH", `response_format` "b64_json";
+    `model` and `user` accepted and unused: the server serves one artifact) as this server's own
+    request, with what each of its fields is called in the OpenAI request (for messages).
+    aotbuild's own fields (`seed`, `steps`, `lora`, ...) pass as they are. `edits`: OpenAI's
+    edits request, whose `image` (and `mask`) it takes; a generation takes none.
+
+    Raises:
+        RequestError: 400, naming the OpenAI field.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(400, 'the body must be a JSON object, e.g. {"prompt": "a red fox", "size": "1024x1024"}')
+    if edits and "image" not in body:
+        raise RequestError(400, f"field 'image' is required at {OPENAI_EDITS_ROUTE}: the picture to edit")
+    if not edits and (given := sorted(set(body) & {"image", "mask"})):
+        raise RequestError(400, f"field {given[0]!r}: {OPENAI_ROUTE} makes images from text; "
+                                f"{OPENAI_EDITS_ROUTE} takes an image and a mask")
+    if given := sorted(set(body) & {"images", "height", "width", "output"}):
+        raise RequestError(400, f"field {given[0]!r}: this endpoint takes OpenAI's n and size (\"WIDTHxHEIGHT\"); "
+                                f"POST / takes images, height, width and output")
+    if (fmt := body.get("response_format", "b64_json")) != "b64_json":
+        raise RequestError(400, f'field \'response_format\' is {json.dumps(fmt)}; this server returns images in the '
+                                f'response only ("b64_json")')
+    for name in ("model", "user"):
+        if name in body and not isinstance(body[name], str):
+            raise RequestError(400, f"field {name!r} must be a string")
+    request = {k: v for k, v in body.items() if k not in OPENAI_ONLY}
+    if "n" in body:
+        request["images"] = body["n"]
+    if "size" in body:
+        size = body["size"]
+        match = re.fullmatch(r"([1-9]\d{0,5})x([1-9]\d{0,5})", size) if isinstance(size, str) else None
+        if match is None:
+            raise RequestError(400, f'field \'size\' is {json.dumps(size)}; give "WIDTHxHEIGHT", e.g. "1024x1024"')
+        request["width"], request["height"] = int(match[1]), int(match[2])
+    if edits:
+        _openai_mask(request)
+    request["output"] = "json"
+    return request, {"images": "n", "height": "size", "width": "size"}
+
+
+def _openai_mask(request: dict[str, Any]) -> None:
+    """OpenAI's edit repaints where its mask (else the image itself) is transparent; this
+    server's `mask` repaints where it is white: the alpha channel, inverted, becomes the mask. A
+    mask without transparency is refused; an image without it, and no mask, is img2img of the whole."""
+    from .media import png_bytes
+
+    given = "mask" in request
+    picture = _picture(request, "mask" if given else "image", "RGBA")
+    alpha = picture.getchannel("A")
+    if alpha.getextrema()[0] == 255:  # nothing transparent
+        if given:
+            raise RequestError(400, "field 'mask' has no transparent pixels: OpenAI's edits repaint where the mask "
+                                    "is transparent (alpha 0)")
+        return
+    request["mask"] = png_bytes(alpha.point(lambda a: 255 - a))
+    if not given:
+        request["image"] = png_bytes(picture.convert("RGB"))
+
+
+def _rss_mib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 class ImageServer:
-    """One replica: the pipeline loaded once, in the constructor; requests one at a time.
+    """One replica: the pipeline loaded once, in the constructor; requests made one call at a time,
+    those arriving together with the same call shape as one batch. Called through `Ingress`.
 
     Args:
         artifact: an artifact folder or `hf://org/name[@revision]` (the aot backend).
         target: instead, a target file run the `backend` way ("eager" or "compile", for comparison).
+        loras: the adapters requests may name, {name: (source, weight)}; `lora_slots` of them
+            loaded at once.
+        max_batch: requests run together at most; `batch_wait_s`: how long the first waits for others.
     """
 
     def __init__(self, artifact: str | None = None, *, target: str | None = None, backend: str = "aot",
                  artifacts_dir: str = "artifacts", max_steps: int = MAX_STEPS, max_images: int = MAX_IMAGES,
-                 trust_remote_code: bool = False, variant: str | None = None) -> None:
+                 trust_remote_code: bool = False, variant: str | None = None,
+                 loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
+                 max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S) -> None:
+        from ray import serve
+
         from .backends import call_defaults, prepare, prepare_artifact
         from .sources import random_init_seconds
 
@@ -202,6 +426,8 @@ class ImageServer:
         self.recorded = recorded
         self.defaults = call_defaults(recorded)
         self.limits = {"max_steps": max_steps, "max_images": max_images}
+        self.adapters = AdapterSlots(self.pipe, dict(loras or {}), lora_slots)
+        self.weights = {name: weight for name, (_, weight) in self.adapters.allowed.items()}
         import torch
 
         # The thread count is part of the result: reductions split by threads round differently.
@@ -209,8 +435,18 @@ class ImageServer:
         shown = artifact if artifact is None or artifact.startswith("hf://") else Path(artifact).name
         self.about = {"artifact": shown, "target": recorded["name"], "backend": backend,
                       "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits,
-                      "threads": torch.get_num_threads()}
-        self._lock = asyncio.Lock()  # a pipeline runs one call at a time; /health does not wait for it
+                      "threads": torch.get_num_threads(), "loras": sorted(self.weights), "lora_slots": lora_slots,
+                      "max_batch": max_batch}
+        self.counts = {"requests": 0, "images": 0, "batches": 0, "largest_batch": 0}
+        self.queued = 0
+        self._lock = threading.Lock()  # the pipeline: one call or adapter change at a time
+        self._metrics = _replica_metrics()
+        # Ray Serve keeps the adapters each replica was asked for and routes a request naming one
+        # to a replica that has it; `AdapterSlots` holds the weights, with the same slots and order.
+        self._routed = serve.multiplexed(max_num_models_per_replica=lora_slots)(_adapter_id)
+        # Requests for one adapter arriving within batch_wait_s run together (Serve splits batches
+        # by adapter); `_made` groups them further by call shape.
+        self._batched = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=batch_wait_s)(self._made)
 
     def check_health(self) -> None:
         """Ray Serve's health check, and GET /health's: a small computation on the pipeline's
@@ -221,48 +457,106 @@ class ImageServer:
         if torch.ones(16, device=device).sum().item() != 16:
             raise RuntimeError(f"the replica's {device} computes wrong results")
 
-    async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse, Response
+    def health(self) -> dict[str, Any]:
+        """What GET /health answers: what the replica serves, its counts and memory; raises when
+        the health check fails."""
+        self.check_health()
+        adapters = self.adapters
+        return {"status": "ready", "replica": _replica_id(), "pid": os.getpid(), "load_s": self.load_s,
+                "random_init_s": self.random_init_s, **self.about, "rss_mib": round(_rss_mib(), 1),
+                "served": {**self.counts, "queued": self.queued, "adapter_loads": adapters.loads,
+                           "adapter_switches": adapters.switches, "adapter_unloads": adapters.unloads,
+                           "adapters_loaded": list(adapters.loaded)}}
 
-        replica, request_id = _replica_id(), uuid.uuid4().hex[:16]
-        ids = {"x-aotbuild-replica": replica, "x-aotbuild-request": request_id}
-
-        def answer(status: int, error: str) -> Any:
-            return JSONResponse({"error": scrubbed(error), "replica": replica, "request": request_id},
-                                status_code=status, headers=ids)
-
-        path = request.url.path.rstrip("/")
-        if request.method == "GET" and path.endswith("/health"):
-            try:
-                self.check_health()
-            except Exception:
-                _log.exception("request %s: health check failed", request_id)
-                return answer(503, "the replica failed its health check")
-            return JSONResponse({"status": "ready", "replica": replica, "load_s": self.load_s,
-                                 "random_init_s": self.random_init_s, **self.about}, headers=ids)
-        if request.method != "POST":
-            return answer(405, f"{request.method} {request.url.path}: POST a JSON request to / or GET /health")
+    async def generate(self, body: Any, request_id: str, names: dict[str, str] | None = None) -> dict[str, Any]:
+        """One request: checked, made (batched with others), encoded. Returns {"media": [bytes...],
+        "kind", "seconds", "batch", "replica"}, or {"status", "error", "replica"} for a request
+        refused or failed (a failure's details go to the log under `request_id`)."""
+        replica = _replica_id()
         try:
-            call = parse_request(read_json(await _limited_body(request)), self.defaults, **self.limits)
+            call = parse_request(body, self.defaults, adapters=self.weights, names=names or {}, **self.limits)
             if reason := covered(self.pipe, self.recorded, call):
                 raise RequestError(422, reason)
-            async with self._lock:
-                images, seconds = await asyncio.to_thread(self._generate, call)
+            if call["lora"] is not None:
+                await self._routed(call["lora"])
+            self.queued += 1
+            self._metrics["queued"].set(self.queued)
+            made = await self._batched(call)
         except RequestError as exc:
-            return answer(exc.status, exc.message)
+            return {"status": exc.status, "error": exc.message, "replica": replica}
+        if "error" in made:
+            if made["status"] == 500:
+                _log.error("request %s failed:\n%s", request_id, made.pop("traceback"))
+                made["error"] = f"the server failed to make this image; request {request_id}"
+            return {**made, "replica": replica}
+        media = await asyncio.to_thread(self._encoded, call, made["images"])
+        kind = ("mp4" if call["frames"] else "png") if call["output"] != "json" else "json"
+        return {"media": media, "kind": kind, "videos": call["frames"] is not None, "seconds": made["seconds"],
+                "batch": made["batch"], "replica": replica}
+
+    async def _made(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A batch's calls made in a worker thread (the event loop goes on taking requests)."""
+        self.queued -= len(calls)
+        self._metrics["queued"].set(self.queued)
+        return await asyncio.to_thread(self._generate, calls)
+
+    def _generate(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each call's images, or its error; calls of one shape (size, steps, guidance, negative
+        prompt, adapter) asking one image each are made as one pipeline call, each with its seed."""
+        groups: dict[Any, list[int]] = {}
+        for i, call in enumerate(calls):
+            batched = call["images"] == 1 and call["image"] is None
+            key = tuple(call[k] for k in BATCHED_BY) if batched else ("alone", i)
+            groups.setdefault(key, []).append(i)
+        for key, members in list(groups.items()):  # a batch no compiled variant covers runs one by one
+            if len(members) > 1 and covered(self.pipe, self.recorded, {**calls[members[0]], "images": len(members)}):
+                del groups[key]
+                groups.update({("alone", i): [i] for i in members})
+        results: list[dict[str, Any]] = [{} for _ in calls]
+        with self._lock:
+            for members in groups.values():
+                group = [calls[i] for i in members]
+                made = self._generate_group(group)
+                for n, i in enumerate(members):
+                    results[i] = dict(made) if "error" in made else {
+                        "images": made["images"][n * group[0]["images"]:(n + 1) * group[0]["images"]],
+                        "seconds": made["seconds"], "batch": len(group)}
+        return results
+
+    def _generate_group(self, group: list[dict[str, Any]]) -> dict[str, Any]:
+        from .backends import generate
+
+        first = group[0]
+        switches = self.adapters.switches
+        loads = self.adapters.loads
+        try:
+            self.adapters.activate(first["lora"], first["lora_scale"])
+            several = len(group) > 1
+            result = generate(self.pipe, [c["prompt"] for c in group] if several else first["prompt"],
+                              steps=first["steps"], seed=[c["seed"] for c in group] if several else first["seed"],
+                              height=first["height"], width=first["width"], batch=first["images"],
+                              guidance_scale=first["guidance_scale"], negative_prompt=first["negative_prompt"],
+                              frames=first["frames"], text=self.defaults["text"], image=first["image"],
+                              mask=first["mask"], strength=first["strength"])
         except (AotbuildError, ValueError) as exc:  # diffusers' and aotbuild's words for a call they cannot make
             hint = f" ({exc.hint})" if getattr(exc, "hint", None) else ""
-            return answer(422, f"{getattr(exc, 'message', exc)}{hint}")
+            return {"status": 422, "error": scrubbed(f"{getattr(exc, 'message', exc)}{hint}")}
         except Exception:  # the replica keeps serving; the client gets the request id, the log the rest
-            _log.exception("request %s failed", request_id)
-            return answer(500, f"the server failed to make this image; request {request_id}")
-        headers = {**ids, "x-aotbuild-seconds": f"{seconds:.4f}"}
-        encoded = await asyncio.to_thread(self._encoded, call, images)
-        if call["output"] != "json":
-            return Response(encoded[0], media_type="image/png" if call["output"] == "png" else "video/mp4",
-                            headers=headers)
-        return JSONResponse({"videos" if call["frames"] else "images": [base64.b64encode(e).decode() for e in encoded],
-                             "replica": replica, "request": request_id, "seconds": seconds}, headers=headers)
+            import traceback
+
+            return {"status": 500, "error": "failed", "traceback": traceback.format_exc()}
+        finally:
+            for metric, before, now in (("switches", switches, self.adapters.switches),
+                                        ("loads", loads, self.adapters.loads)):
+                if now > before:  # a Ray counter takes increments > 0 only
+                    self._metrics[metric].inc(now - before)
+        self.counts["requests"] += len(group)
+        self.counts["images"] += len(result.images)
+        self.counts["batches"] += 1
+        self.counts["largest_batch"] = max(self.counts["largest_batch"], len(group))
+        self._metrics["batch"].observe(len(group))
+        self._metrics["seconds"].observe(result.total_s)
+        return {"images": result.images, "seconds": result.total_s}
 
     def _encoded(self, call: dict[str, Any], made: list[Any]) -> list[bytes]:
         """PNGs of the images, or MP4s of the videos (lists of frames)."""
@@ -270,13 +564,158 @@ class ImageServer:
             return [png_bytes(image) for image in made]
         return [mp4_bytes(frames, video_fps(type(self.pipe))) for frames in made]
 
-    def _generate(self, call: dict[str, Any]) -> tuple[list[Any], float]:
-        from .backends import generate
 
-        result = generate(self.pipe, call["prompt"], steps=call["steps"], seed=call["seed"], height=call["height"],
-                          width=call["width"], batch=call["images"], guidance_scale=call["guidance_scale"],
-                          negative_prompt=call["negative_prompt"], frames=call["frames"], text=self.defaults["text"])
-        return result.images, result.total_s
+async def _adapter_id(name: str) -> str:
+    """What Ray Serve's adapter routing holds per replica: the name (the weights are in `AdapterSlots`)."""
+    return name
+
+
+def _replica_metrics() -> dict[str, Any]:
+    """The replica's figures in Ray Serve's metrics (exported with Ray's, tagged by deployment and replica)."""
+    from ray.serve import metrics
+
+    return {"seconds": metrics.Histogram("aotbuild_generate_seconds", "a pipeline call, image(s) made",
+                                         boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120]),
+            "batch": metrics.Histogram("aotbuild_batch_requests", "requests made together in one pipeline call",
+                                       boundaries=[1, 2, 3, 4, 6, 8, 12, 16]),
+            "queued": metrics.Gauge("aotbuild_queued_requests", "requests waiting for the pipeline"),
+            "loads": metrics.Counter("aotbuild_adapter_loads", "LoRAs loaded into a slot"),
+            "switches": metrics.Counter("aotbuild_adapter_switches", "changes of the active LoRA or its weight")}
+
+
+class Ingress:
+    """The HTTP front: reads and checks the body, routes a request naming a LoRA to a replica that
+    holds it, and answers. Its replica computes nothing; the `ImageServer` replicas do.
+
+        POST /                        this server's JSON request -> PNG (MP4) or JSON
+        POST /v1/images/generations   OpenAI's images request -> {"created", "data": [{"b64_json"}]}
+        GET  /health                  200 with what a replica serves, 503 when it fails
+    """
+
+    def __init__(self, model: Any, loras: tuple[str, ...] = ()) -> None:
+        self.model, self.loras = model, frozenset(loras)
+        self._seconds = _request_metric()
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse, Response
+
+        request_id = uuid.uuid4().hex[:16]
+        path = request.url.path.rstrip("/")
+        openai = path.endswith((OPENAI_ROUTE, OPENAI_EDITS_ROUTE))
+        start = time.perf_counter()
+
+        def answer(status: int, error: str, replica: str = "-") -> Any:
+            ids = {"x-aotbuild-replica": replica, "x-aotbuild-request": request_id}
+            if openai:  # OpenAI's error shape, which its clients read
+                kind = "invalid_request_error" if status < 500 else "server_error"
+                body = {"error": {"message": scrubbed(error), "type": kind, "param": None, "code": None}}
+            else:
+                body = {"error": scrubbed(error), "replica": replica, "request": request_id}
+            return JSONResponse(body, status_code=status, headers=ids)
+
+        if request.method == "GET" and path.endswith("/health"):
+            try:
+                health = await self._remote("health")
+            except Exception:
+                _log.exception("request %s: health check failed", request_id)
+                return answer(503, "the replica failed its health check")
+            return JSONResponse(health, headers={"x-aotbuild-replica": health["replica"],
+                                                 "x-aotbuild-request": request_id})
+        if request.method != "POST":
+            return answer(405, f"{request.method} {request.url.path}: POST a JSON or multipart request to / (or "
+                               f"OpenAI's to {OPENAI_ROUTE} or {OPENAI_EDITS_ROUTE}), or GET /health")
+        try:
+            raw = await _limited_body(request)
+            multipart = request.headers.get("content-type", "").startswith("multipart/form-data")
+            body = await _form(request.headers, raw) if multipart else read_json(raw)
+            body, names = openai_request(body, edits=path.endswith(OPENAI_EDITS_ROUTE)) if openai else (body, {})
+            lora = body.get("lora") if isinstance(body, dict) else None
+            # An adapter the server was not started with is refused by the replica, unrouted.
+            made = await self._remote("generate", body, request_id, names,
+                                      adapter=lora if isinstance(lora, str) and lora in self.loras else "")
+        except RequestError as exc:
+            return answer(exc.status, exc.message)
+        except ReplicaLost as exc:
+            return answer(503, f"{exc.message}; request {request_id}")
+        except Exception:
+            _log.exception("request %s failed", request_id)
+            return answer(500, f"the server failed to make this image; request {request_id}")
+        if "error" in made:
+            return answer(made["status"], made["error"], made["replica"])
+        self._seconds.observe(time.perf_counter() - start)
+        headers = {"x-aotbuild-replica": made["replica"], "x-aotbuild-request": request_id,
+                   "x-aotbuild-seconds": f"{made['seconds']:.4f}", "x-aotbuild-batch": str(made["batch"])}
+        encoded = [base64.b64encode(m).decode() for m in made["media"]] if made["kind"] == "json" else None
+        if openai:
+            return JSONResponse({"created": int(time.time()), "data": [{"b64_json": e} for e in encoded]},
+                                headers=headers)
+        if encoded is None:
+            return Response(made["media"][0], media_type=f"{'video' if made['videos'] else 'image'}/{made['kind']}",
+                            headers=headers)
+        return JSONResponse({"videos" if made["videos"] else "images": encoded, "replica": made["replica"],
+                             "request": request_id, "seconds": made["seconds"]}, headers=headers)
+
+    async def _remote(self, method: str, *args: Any, adapter: str = "") -> Any:
+        """The model deployment's `method`, routed to a replica holding `adapter`; a replica lost
+        mid-request (stopped, crashed, killed) is retried once on another, then reported."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import ReplicaUnavailableError
+
+        handle = self.model.options(multiplexed_model_id=adapter) if adapter else self.model
+        for attempt in range(2):
+            try:
+                return await getattr(handle, method).remote(*args)
+            except (RayActorError, ReplicaUnavailableError) as exc:
+                _log.warning("a replica was lost during a request (%s); %s", type(exc).__name__,
+                             "retrying" if not attempt else "giving up")
+        raise ReplicaLost("the replica making this request stopped before it answered, and so did the one it was "
+                          "retried on")
+
+
+class ReplicaLost(AotbuildError):
+    """A request's replica stopped before it answered, twice."""
+
+
+def _request_metric() -> Any:
+    from ray.serve import metrics
+
+    return metrics.Histogram("aotbuild_request_seconds", "an HTTP request that made images, received to answered",
+                             boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300])
+
+
+async def _form(headers: Any, raw: bytes) -> dict[str, Any]:
+    """A multipart/form-data body as a request: files as their bytes (pictures), the fields in
+    NUMBER_FIELDS as numbers, the others as text.
+
+    Raises:
+        RequestError: 400, saying what is wrong with the form.
+    """
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def chunks() -> Any:
+        yield raw
+
+    try:
+        form = await MultiPartParser(headers, chunks(), max_files=2, max_fields=32,
+                                     max_part_size=MAX_BODY_BYTES).parse()
+    except (MultiPartException, AssertionError) as exc:  # the parser's words for a malformed form
+        raise RequestError(400, f"the multipart body cannot be read: {exc}") from None
+    except ImportError:
+        raise RequestError(415, "this server takes JSON bodies (multipart needs python-multipart installed)") from None
+    body: dict[str, Any] = {}
+    for name, value in form.multi_items():
+        if name in body:
+            raise RequestError(400, f"field {name!r} is given twice")
+        if not isinstance(value, str):  # an uploaded file
+            body[name] = await value.read()
+        elif name in NUMBER_FIELDS:
+            try:
+                body[name] = json.loads(value)
+            except ValueError:
+                raise RequestError(400, f"field {name!r} must be a number, got {value!r}") from None
+        else:
+            body[name] = value
+    return body
 
 
 async def _limited_body(request: Any) -> bytes:
@@ -307,13 +746,16 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         artifacts_dir: str | os.PathLike = "artifacts", replicas: int = 1, autoscale: tuple[int, int] | None = None,
         cpus: float = 1, gpus: float = 0, gpu_type: str | None = None, max_steps: int = MAX_STEPS,
         max_images: int = MAX_IMAGES, env: dict[str, str] | None = None, trust_remote_code: bool = False,
-        variant: str | None = None) -> Any:
-    """The Serve application of `ImageServer`: `replicas` of them, or `autoscale` (min, max)
-    scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind `gpu_type`, Ray's
-    accelerator type). `env`: more environment for the replicas (the driver's Hub settings are
-    passed on). An `hf://` artifact needs `trust_remote_code` (its native code runs in every
-    replica), and its revision is resolved here, once: every replica, the ones autoscaling adds
-    later too, loads that commit; `variant` names the target in a repo holding several. Run it
+        variant: str | None = None, loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
+        max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S) -> Any:
+    """The Serve application: an `Ingress` in front of `replicas` `ImageServer`s, or `autoscale`
+    (min, max) of them scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind
+    `gpu_type`, Ray's accelerator type). `env`: more environment for the replicas (the driver's
+    Hub settings are passed on). An `hf://` artifact needs `trust_remote_code` (its native code
+    runs in every replica), and its revision is resolved here, once: every replica, the ones
+    autoscaling adds later too, loads that commit; `variant` names the target in a repo holding
+    several. `loras` ({name: (source, weight)}, `parse_adapters`): the LoRAs requests may name,
+    `lora_slots` loaded per replica. `max_batch`, `batch_wait_s`: requests made together. Run it
     with `ray.serve.run(app(...))`."""
     from ray import serve
 
@@ -326,11 +768,15 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
 
         check_trusted(artifact, trust_remote_code)
         artifact = pinned(artifact)
+    if lora_slots < 1 or max_batch < 1 or batch_wait_s < 0:
+        raise AotbuildError(f"lora_slots ({lora_slots}) and max_batch ({max_batch}) are at least 1, batch_wait_s "
+                            f"({batch_wait_s}) at least 0")
     env_vars = {**spin_env(), **forwarded_env(), **(env or {})}
     actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env_vars}}
     if gpu_type:
         actor["accelerator_type"] = gpu_type
-    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": 8}
+    # A replica holds the requests it may batch, and a few more queued behind them.
+    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": max(8, 2 * max_batch)}
     if autoscale:
         # An image takes seconds: one request in flight per replica is the load to scale by, and a
         # queue that lasts UPSCALE_DELAY_S is worth a replica (Serve's default waits 30 s).
@@ -339,10 +785,14 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
                                          "metrics_interval_s": 1, "look_back_period_s": 5}
     else:
         options["num_replicas"] = replicas
-    deployment = serve.deployment(ImageServer, name="ImageServer", **options)
-    return deployment.bind(artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir),
-                           max_steps=max_steps, max_images=max_images, trust_remote_code=trust_remote_code,
-                           variant=variant)
+    model = serve.deployment(ImageServer, name="ImageServer", **options).bind(
+        artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir), max_steps=max_steps,
+        max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=loras,
+        lora_slots=lora_slots, max_batch=max_batch, batch_wait_s=batch_wait_s)
+    # The front computes nothing: it reserves no CPU and takes every request the replicas may queue.
+    front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=1000)
+    return front.bind(model, tuple(loras or ()))
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
@@ -393,7 +843,8 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
                 echo(f"note: Serve on this cluster already listens on port {listening}; --port applies to the "
                      f"first Serve started on a cluster")
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{listening}/"
-            echo(f"serving {artifact} at {url} (POST a JSON request; GET {url}health); Ctrl-C stops")
+            echo(f"serving {artifact} at {url} (POST a JSON request, or OpenAI's to {url}{OPENAI_ROUTE[1:]}; "
+                 f"GET {url}health); Ctrl-C stops")
             while True:
                 signal.pause()
         except KeyboardInterrupt:

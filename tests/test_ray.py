@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from aotbuild.errors import UntrustedCodeError
 from aotbuild.serve import REQUEST_FIELDS, RequestError, parse_request, request
 from aotbuild.targets import load_target
 
-from .conftest import ROOT, TARGETS, build_once
+from .conftest import ROOT, TARGETS, build_once, eager_pipeline, make_lora
 from .hubserver import FakeHub
 
 TOKEN = "hf_aotbuildRayTestToken42"
@@ -39,7 +40,13 @@ LATENCIES: dict[str, list[float]] = {}  # request kind -> seconds, printed at th
 def test_request_defaults_and_fields():
     call = parse_request({"prompt": "a fox"}, DEFAULTS)
     assert call == {"prompt": "a fox", "negative_prompt": None, "steps": 4, "guidance_scale": 5.0, "height": 64,
-                    "width": 64, "seed": 0, "images": 1, "frames": None, "output": "png"}
+                    "width": 64, "seed": 0, "images": 1, "frames": None, "output": "png", "lora": None,
+                    "lora_scale": None, "image": None, "mask": None, "strength": None}
+    adapters = {"ink": 0.8}  # the LoRAs the server was started with, and their default weights
+    assert {k: parse_request({"prompt": "a fox", "lora": "ink"}, DEFAULTS, adapters=adapters)[k]
+            for k in ("lora", "lora_scale")} == {"lora": "ink", "lora_scale": 0.8}
+    assert parse_request({"prompt": "a fox", "lora": "ink", "lora_scale": -1}, DEFAULTS,
+                         adapters=adapters)["lora_scale"] == -1.0
     call = parse_request({"prompt": "a fox", "images": 3, "output": "json", "guidance_scale": 1}, {**DEFAULTS})
     assert (call["images"], call["output"], call["guidance_scale"]) == (3, "json", 1.0)
     video = {**DEFAULTS, "frames": 9}  # an artifact that makes videos: its first bucket's frames, one MP4
@@ -72,6 +79,42 @@ def test_bad_requests_are_named(body, status, words):
         parse_request(body, DEFAULTS)
     assert info.value.status == status
     assert words in str(info.value)
+
+
+def test_openai_requests_become_the_servers_own():
+    from aotbuild.serve import openai_request
+
+    body = {"model": "dall-e-3", "prompt": "a fox", "n": 2, "size": "96x64", "response_format": "b64_json",
+            "user": "u1", "seed": 3, "lora": "ink"}
+    request, names = openai_request(body)
+    assert request == {"prompt": "a fox", "images": 2, "width": 96, "height": 64, "seed": 3, "lora": "ink",
+                       "output": "json"}
+    with pytest.raises(RequestError, match="field 'n' is 9; this server takes 1 to 4"):
+        parse_request({**request, "images": 9}, DEFAULTS, names=names, adapters={"ink": 1.0})
+    with pytest.raises(RequestError, match="field 'size' is height 0; this server takes at least 1"):
+        parse_request({**request, "height": 0}, DEFAULTS, names=names, adapters={"ink": 1.0})
+    for asked, words in (({"prompt": "a fox", "size": "96 x 64"}, 'field \'size\' is "96 x 64"; give "WIDTHxHEIGHT"'),
+                         ({"prompt": "a fox", "response_format": "url"}, "returns images in the response only"),
+                         ({"prompt": "a fox", "model": 3}, "field 'model' must be a string"),
+                         ({"prompt": "a fox", "image": "..."}, "/v1/images/generations makes images from text")):
+        with pytest.raises(RequestError, match=re.escape(words)):
+            openai_request(asked)
+    with pytest.raises(RequestError, match="field 'image' is required at /v1/images/edits"):
+        openai_request({"prompt": "a fox"}, edits=True)
+
+
+def test_serve_loras_are_named_and_found_before_anything_starts(tmp_path):
+    from aotbuild.serve import parse_adapters
+
+    lora = tmp_path / "ink.safetensors"
+    lora.write_bytes(b"")
+    assert parse_adapters([f"ink={lora}:0.7", "oil=org/oil-lora"]) == {"ink": (str(lora), 0.7),
+                                                                      "oil": ("org/oil-lora", 1.0)}
+    for given, words in (([f"{lora}"], f"--lora '{lora}': give NAME=PATH-OR-HUB-ID[:WEIGHT]"),
+                         ([f"ink={lora}", f"ink={lora}"], "--lora: the name 'ink' is given twice"),
+                         (["ink=/no/such/ink.safetensors"], "--lora /no/such/ink.safetensors: no such file")):
+        result = CliRunner().invoke(main, ["serve", "--artifact", str(tmp_path), *[f"--lora={g}" for g in given]])
+        assert result.exit_code == 1 and words in result.output, result.output
 
 
 def test_an_eager_video_server_is_held_to_the_largest_video_its_target_makes():
@@ -244,14 +287,26 @@ def http_port(ray_cluster) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(built, http_port):
-    """The tiny SDXL artifact on one replica at /test."""
+def loras(tmp_path_factory, tiny_target) -> dict[str, Path]:
+    """Two random LoRAs of the tiny SDXL UNet."""
+    folder = tmp_path_factory.mktemp("serve-loras")
+    pipe = eager_pipeline(tiny_target)
+    return {"ink": make_lora(pipe, folder / "ink", seed=1), "oil": make_lora(pipe, folder / "oil", seed=2, rank=8)}
+
+
+SERVED = {"cpus": 0.5, "lora_slots": 1, "batch_wait_s": 0.3}  # one slot: a second adapter unloads the first
+
+
+@pytest.fixture(scope="module")
+def served(built, http_port, loras):
+    """The tiny SDXL artifact on one replica at /test, serving the LoRAs ink (weight 0.8) and oil."""
     from ray import serve
 
     from aotbuild.serve import app, deploy
 
     start = time.perf_counter()
-    deploy(app(str(built.folder), cpus=0.5), "test", "/test")
+    adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
+    deploy(app(str(built.folder), loras=adapters, **SERVED), "test", "/test")
     LATENCIES["deploy to ready, 1 replica"] = [time.perf_counter() - start]
     yield f"http://127.0.0.1:{http_port}/test"
     serve.delete("test")
@@ -403,11 +458,291 @@ def test_a_served_video_is_the_mp4_aotbuild_run_writes(tmp_path_factory, http_po
     assert np.array_equal(served, ran) and served.std() > 1  # the same frames through the same encoder
 
 
+def _health(url: str) -> dict:
+    status, _, body = request(url + "/health")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _run_png(built, tmp_path, body: dict, threads: int, *extra: str) -> np.ndarray:
+    """`aotbuild run`'s image for a served request's fields, at the replica's thread count."""
+    import torch
+
+    out = tmp_path / f"run-{len(list(tmp_path.iterdir()))}.png"
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", body["prompt"],
+                                           "--steps", str(body["steps"]), "--seed", str(body["seed"]),
+                                           "--batch", "1", "--output", str(out), *extra])
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert result.exit_code == 0, result.output
+    return _pixels(out.read_bytes())
+
+
+@pytest.mark.slow
+def test_per_request_loras_equal_aotbuild_run_with_that_lora(served, built, loras, tmp_path):
+    """A request names an adapter the server was started with (and a weight); with one slot, each
+    switch to the other adapter unloads the first, and every image equals `aotbuild run --lora`."""
+    body = {"prompt": "a red fox in the snow", "steps": 2, "seed": 3, "images": 1}
+    before = _health(served)
+    assert before["loras"] == ["ink", "oil"] and before["lora_slots"] == 1
+    images = {}
+    for lora, scale, weight in (("ink", None, 0.8), ("oil", 0.5, 0.5), (None, None, None), ("ink", None, 0.8)):
+        asked = {**body, **({"lora": lora} if lora else {}), **({"lora_scale": scale} if scale is not None else {})}
+        status, headers, png = _post(served, asked, "2-step image, a LoRA")
+        assert status == 200, png[:300]
+        extra = ("--lora", f"{loras[lora]}:{weight}") if lora else ()
+        expected = _run_png(built, tmp_path, body, before["threads"], *extra)
+        assert np.abs(_pixels(png) - expected).max() == 0, (lora, scale)  # the same merged weights, bit for bit
+        images.setdefault(lora, []).append(_pixels(png))
+    assert np.abs(images["ink"][0] - images[None][0]).max() > 10  # the adapters change the image
+    assert np.abs(images["ink"][0] - images["oil"][0]).max() > 10
+    after = _health(served)["served"]
+    # ink, oil (ink unloaded), none, ink again (oil unloaded): 3 loads, 4 switches.
+    assert after["adapter_loads"] - before["served"]["adapter_loads"] == 3
+    assert after["adapter_unloads"] - before["served"]["adapter_unloads"] == 2
+    assert after["adapter_switches"] - before["served"]["adapter_switches"] == 4
+    assert after["adapters_loaded"] == ["ink"]
+    unknown = 'field \'lora\' is "watercolor"; this server serves: ink, oil'
+    for asked, words in (({**body, "lora": "watercolor"}, unknown),
+                         ({**body, "lora_scale": 0.5}, "field 'lora_scale' goes with field 'lora'"),
+                         ({**body, "lora": "ink", "lora_scale": "strong"}, "field 'lora_scale' must be a finite")):
+        status, _, answer = _post(served, asked, "refused")
+        assert status == 400 and words in json.loads(answer)["error"], answer
+
+
+@pytest.mark.slow
+def test_requests_arriving_together_run_as_one_batch(served):
+    """Three requests of one call shape sent at once are made in one pipeline call, each with its
+    own prompt and seed, and each image is the one the request makes alone."""
+
+    bodies = [{"prompt": prompt, "steps": 2, "seed": seed, "images": 1}
+              for prompt, seed in (("a red fox", 1), ("a lighthouse at dusk", 2), ("a cat", 3))]
+    alone = []
+    for body in bodies:
+        status, headers, png = _post(served, body, "2-step image")
+        assert status == 200 and headers["x-aotbuild-batch"] == "1"
+        alone.append(_pixels(png))
+    together: dict[int, tuple[int, dict, bytes]] = {}
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, _post(served, bodies[i], "batched")))
+               for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(together[i][0] == 200 for i in range(3))
+    assert max(int(together[i][1]["x-aotbuild-batch"]) for i in range(3)) >= 2  # sent at once: made together
+    for i in range(3):
+        # Another compiled variant (batch 2-3) rounds differently: within 1 level of 255.
+        assert np.abs(_pixels(together[i][2]) - alone[i]).max() <= 1, i
+    assert np.abs(alone[0] - alone[1]).max() > 10
+    assert _health(served)["served"]["largest_batch"] >= 2
+
+
+@pytest.mark.slow
+def test_openai_images_endpoint(served):
+    """POST /v1/images/generations as OpenAI's client sends it: `n`, `size`, `response_format`,
+    `model`, a bearer token; aotbuild's own fields beside them. The images are the JSON endpoint's."""
+    import base64
+    import urllib.request
+
+    url = served + "/v1/images/generations"
+    body = {"model": "cpu-tiny-sdxl", "prompt": "a red fox", "n": 2, "size": "96x64", "response_format": "b64_json",
+            "seed": 4, "steps": 2}
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-unused", "User-Agent": "OpenAI/Python"}
+    with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers),
+                                timeout=300) as response:
+        answer = json.loads(response.read())
+    assert set(answer) == {"created", "data"} and abs(answer["created"] - time.time()) < 300
+    images = [_pixels(base64.b64decode(item["b64_json"])) for item in answer["data"]]
+    assert [image.shape for image in images] == [(64, 96, 3)] * 2
+    status, _, own = _post(served, {"prompt": "a red fox", "images": 2, "width": 96, "height": 64, "seed": 4,
+                                    "steps": 2, "output": "json"}, "2-step, 2 images")
+    assert status == 200
+    assert all(np.array_equal(_pixels(base64.b64decode(png)), image)
+               for png, image in zip(json.loads(own)["images"], images, strict=True))
+    import openai  # OpenAI's own client, pointed at the server
+
+    client = openai.OpenAI(base_url=served + "/v1", api_key="sk-unused", max_retries=0, timeout=300)
+    made = client.images.generate(prompt="a red fox", n=2, size="96x64", response_format="b64_json",
+                                  extra_body={"seed": 4, "steps": 2})
+    assert all(np.array_equal(_pixels(base64.b64decode(item.b64_json)), image)
+               for item, image in zip(made.data, images, strict=True))
+    with pytest.raises(openai.BadRequestError, match="field 'n' is 9; this server takes 1 to 4"):
+        client.images.generate(prompt="a fox", n=9)
+    for asked, words in (({"prompt": "a fox", "size": "big"}, 'field \'size\' is "big"; give "WIDTHxHEIGHT"'),
+                         ({"prompt": "a fox", "n": 9}, "field 'n' is 9; this server takes 1 to 4"),
+                         ({"prompt": "a fox", "size": "4096x64"}, "no compiled variant makes 1 image(s) at 64x4096"),
+                         ({"prompt": "a fox", "response_format": "url"}, 'this server returns images in the response'),
+                         ({"prompt": "a fox", "images": 2}, "this endpoint takes OpenAI's n and size")):
+        status, _, answer = request(url, asked)
+        error = json.loads(answer)["error"]
+        assert status in (400, 422) and words in error["message"] and error["type"] == "invalid_request_error", error
+
+
+def _multipart(fields: dict[str, str], files: dict[str, bytes]) -> tuple[bytes, str]:
+    """A multipart/form-data body, as browsers and OpenAI's client send uploads, and its content type."""
+    boundary = "aotbuild-test-boundary-7f3a"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+             for name, value in fields.items()]
+    parts += [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}.png"\r\n'
+              f'Content-Type: image/png\r\n\r\n'.encode() + data + b"\r\n" for name, data in files.items()]
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def _post_form(url: str, fields: dict[str, str], files: dict[str, bytes]) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    data, kind = _multipart(fields, files)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers={"Content-Type": kind}),
+                                    timeout=300) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@pytest.mark.slow
+def test_img2img_and_inpainting_requests_equal_aotbuild_run(served, built, tmp_path):
+    """An image in base64 JSON (img2img), an image and a mask as multipart uploads (inpainting), and
+    OpenAI's edits request (repaint where the mask is transparent): each image is `aotbuild run`'s
+    with --image (and --mask) for the same fields."""
+    import base64
+
+    from aotbuild.media import png_bytes
+    from aotbuild.pipelines import seeded_image
+
+    threads = _health(served)["threads"]
+    picture, mask = seeded_image(64, 64), Image.new("L", (64, 64))
+    mask.paste(255, (32, 0, 64, 64))  # repaint the right half
+    (tmp_path / "in.png").write_bytes(png_bytes(picture))
+    (tmp_path / "mask.png").write_bytes(png_bytes(mask))
+    body = {"prompt": "a red fox in the snow", "steps": 5, "seed": 2}
+
+    status, _, png = _post(served, {**body, "image": base64.b64encode(png_bytes(picture)).decode(), "strength": 0.6},
+                           "img2img")
+    assert status == 200, png[:300]
+    expected = _run_png(built, tmp_path, body, threads, "--image", str(tmp_path / "in.png"), "--strength", "0.6")
+    assert np.abs(_pixels(png) - expected).max() == 0
+    assert np.abs(_pixels(png) - np.asarray(picture, dtype=np.int16)).mean() > 5  # repainted, not returned
+
+    fields = {name: str(value) for name, value in body.items()}
+    status, inpainted = _post_form(served, fields, {"image": png_bytes(picture), "mask": png_bytes(mask)})
+    assert status == 200, inpainted[:300]
+    expected = _run_png(built, tmp_path, body, threads, "--image", str(tmp_path / "in.png"), "--mask",
+                        str(tmp_path / "mask.png"))
+    assert np.abs(_pixels(inpainted) - expected).max() == 0
+    kept = np.abs(_pixels(inpainted)[:, :24] - np.asarray(picture, dtype=np.int16)[:, :24]).mean()
+    assert kept < np.abs(_pixels(inpainted)[:, 40:] - np.asarray(picture, dtype=np.int16)[:, 40:]).mean()
+
+    transparent = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    transparent.paste((0, 0, 0, 0), (32, 0, 64, 64))  # OpenAI: repaint where the mask is transparent
+    status, answer = _post_form(served + "/v1/images/edits", {**fields, "size": "64x64", "n": "1"},
+                                {"image": png_bytes(picture), "mask": png_bytes(transparent)})
+    assert status == 200, answer[:300]
+    edited = _pixels(base64.b64decode(json.loads(answer)["data"][0]["b64_json"]))
+    assert np.array_equal(edited, _pixels(inpainted))
+
+    cases = [({**body, "image": "not base64!"}, "field 'image' must be a picture in base64"),
+             ({**body, "image": base64.b64encode(b"GIF89a nonsense").decode()}, "field 'image' is not an image PIL"),
+             ({**body, "mask": base64.b64encode(png_bytes(mask)).decode()}, "field 'mask' goes with field 'image'"),
+             ({**body, "image": base64.b64encode(png_bytes(picture)).decode(), "strength": 2},
+              "field 'strength' must be a number above 0 and at most 1")]
+    for asked, words in cases:
+        status, _, answer = _post(served, asked, "refused")
+        assert status == 400 and words in json.loads(answer)["error"], answer
+    status, answer = _post_form(served, {**fields, "steps": "many"}, {"image": png_bytes(picture)})
+    assert status == 400 and "field 'steps' must be a number, got 'many'" in json.loads(answer)["error"]
+    status, answer = _post_form(served + "/v1/images/edits", fields, {"image": png_bytes(picture),
+                                                                      "mask": png_bytes(mask)})
+    assert status == 400 and "field 'mask' has no transparent pixels" in json.loads(answer)["error"]["message"]
+
+
+@pytest.mark.slow
+def test_load_with_adapter_churn_and_a_replica_killed_mid_load(served, built, loras):
+    """4 clients x 3 requests over three adapter states with one slot: every answer is the image
+    its adapter makes alone, none lost, no 5xx, memory flat. Then the replica is killed mid-load:
+    its requests are retried on the replica Serve starts in its place, none hangs, and the
+    deployment serves again."""
+    from aotbuild.serve_load import run_load
+
+    body = {"prompt": "a red fox in the snow", "steps": 2, "seed": 3, "images": 1}
+    bodies = [body, {**body, "lora": "ink"}, {**body, "lora": "oil"}]
+    expected = {}
+    for asked in bodies:
+        status, _, png = _post(served, asked, "2-step image, a LoRA")
+        assert status == 200
+        expected[asked.get("lora")] = _pixels(png)
+
+    def check(asked, status, headers, content):
+        difference = np.abs(_pixels(content) - expected[asked.get("lora")]).max()
+        assert difference <= 1, f"lora {asked.get('lora')}: {difference} levels from its image"  # batched: rounding
+
+    before = _health(served)
+    figures = run_load(served, bodies, clients=4, requests=3, timeout=300, check=check)
+    after = _health(served)
+    print(f"\nload, 4 clients x 3 requests, 3 adapter states, 1 slot: {json.dumps(figures)}")
+    assert (figures["answered_ok"], figures["lost"], figures["server_errors"], figures["wrong"]) == (12, 0, 0, [])
+    assert 0 < figures["p50_s"] <= figures["p95_s"] <= figures["p99_s"]
+    assert after["served"]["adapter_loads"] > before["served"]["adapter_loads"]  # the adapters churned
+    assert after["rss_mib"] - before["rss_mib"] < 64, (before["rss_mib"], after["rss_mib"])
+
+    killed, killing = [], threading.Lock()
+
+    def kill_once(answered):  # called by each client after each answer: once, by one of them
+        with killing:
+            if answered >= 2 and not killed:
+                killed.append(_health(served)["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+
+    start = time.perf_counter()
+    faulted = run_load(served, bodies, clients=3, requests=3, timeout=300, during=kill_once, check=check)
+    print(f"load with the replica killed after 2 answers ({time.perf_counter() - start:.1f} s): "
+          f"{json.dumps(faulted)}")
+    assert killed and (faulted["lost"], faulted["wrong"], faulted["fault_errors"]) == (0, [], [])
+    assert faulted["answered_ok"] + faulted["statuses"].get("503", 0) == 9
+    # Each request is answered: made (retried on the new replica), or a 503 saying the replica stopped.
+    assert set(faulted["statuses"]) <= {"200", "503"}, faulted
+    assert all("stopped before it answered" in error for error in faulted["errors"]), faulted["errors"]
+    recovered = _health(served)
+    assert recovered["pid"] != killed[0] and recovered["status"] == "ready"
+    assert _post(served, body, "2-step image")[0] == 200
+
+
+@pytest.mark.slow
+def test_load_bench_runs_each_phase_and_writes_its_figures(built, http_port, loras):
+    """`aotbuild bench --load` at small size: unbatched, batched, LoRA churn and a replica killed,
+    each with no request lost, no wrong image, and the figures written."""
+    from aotbuild.serve_load import SERVE_LOAD_NAME, bench_load, format_load_table
+
+    adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
+    document = bench_load(str(TARGETS / "cpu-tiny-sdxl.toml"), built.artifacts, clients=3, requests=2, steps=2,
+                          max_batch=3, port=http_port, cpus=0.5, loras=adapters)
+    print("\n" + format_load_table(document))
+    assert json.loads((built.folder / SERVE_LOAD_NAME).read_text()) == document
+    phases = document["phases"]
+    assert list(phases) == ["unbatched", "batched", "adapters", "replica_killed"]
+    for name, figures in phases.items():
+        assert (figures["lost"], figures["wrong"], figures["fault_errors"]) == (0, [], []), (name, figures)
+        assert figures["answered_ok"] + figures["statuses"].get("503", 0) == 6, (name, figures)
+    for name in ("unbatched", "batched", "adapters"):
+        assert phases[name]["answered_ok"] == 6 and phases[name]["server_errors"] == 0, phases[name]
+    assert phases["unbatched"]["largest_batch"] == 1
+    assert phases["adapters"]["served"]["adapter_unloads"] >= 1  # 2 LoRAs in 1 slot
+    assert phases["replica_killed"]["killed_pid"] is not None
+    assert set(phases["replica_killed"]["statuses"]) <= {"200", "503"}
+    from ray import serve
+
+    assert "load" not in serve.status().applications  # removed
+
+
 @pytest.mark.slow
 def test_autoscaling_from_one_replica_to_two_serves_from_both(served, built):
     """--autoscale 1:2: under a queue of requests Serve starts a second replica, and both answer
     with the same image for the same request."""
-    import threading
 
     from aotbuild.serve import app, deploy
 
@@ -436,7 +771,8 @@ def test_autoscaling_from_one_replica_to_two_serves_from_both(served, built):
     replicas = {h["x-aotbuild-replica"] for _, h, _ in answers}
     assert len(replicas) == 2, replicas
     reference = _pixels(answers[0][2])  # every answer is the same request
-    assert all(np.array_equal(_pixels(png), reference) for _, _, png in answers)
+    # Requests a replica made together ran another compiled variant (batch 2-4): within 1 level.
+    assert all(np.abs(_pixels(png) - reference).max() <= 1 for _, _, png in answers)
 
 
 @pytest.mark.slow
@@ -448,7 +784,6 @@ def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     import queue
-    import threading
 
     from ray import serve
 

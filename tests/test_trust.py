@@ -6,6 +6,7 @@ is loaded only on purpose; the process is left as it was found."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import hashlib
 import json
@@ -524,14 +525,15 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
     """The HTTP handler in-process (as a replica runs it): every refusal is a 4xx with the reason and
     a request id, a failure is a 500 with the id and no exception text, and no response carries a
     machine path."""
-    import asyncio
 
     from starlette.requests import Request
 
     from aotbuild import serve
-    from aotbuild.serve import MAX_BODY_BYTES, ImageServer
+    from aotbuild.serve import MAX_BODY_BYTES, ImageServer, Ingress
 
     server = ImageServer(str(built.folder))
+    front = Ingress(LocalHandle(server))
+    loop = asyncio.new_event_loop()  # one loop, as in a replica: the batch queue lives in it
 
     def call(method: str, path: str, body: bytes = b"", headers: dict | None = None):
         sent = []
@@ -544,7 +546,7 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
 
         scope = {"type": "http", "method": method, "path": path, "headers": [
             (k.encode(), v.encode()) for k, v in (headers or {}).items()], "query_string": b""}
-        response = asyncio.run(server(Request(scope, receive)))
+        response = loop.run_until_complete(front(Request(scope, receive)))
         return response.status_code, dict(response.headers), response.body
 
     status, headers, body = call("GET", "/health")
@@ -566,7 +568,7 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
         assert message in answer["error"]
         assert time.perf_counter() - start < 2  # refused before anything was allocated or computed
 
-    def broken(call):
+    def broken(calls):
         raise RuntimeError(f"secret detail from {built.folder}")
 
     monkeypatch.setattr(server, "_generate", broken)
@@ -579,6 +581,27 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
     monkeypatch.setattr(server, "pipe", type("Pipe", (), {"device": torch.device("meta")})())
     status, _, body = call("GET", "/health")  # a device that computes nothing is a failed replica
     assert status == 503 and "failed its health check" in json.loads(body)["error"]
+    loop.close()
+
+
+class LocalHandle:
+    """Ray Serve's handle to a deployment, over a replica object in this process: what `Ingress`
+    calls (`options(...)`, `method.remote(...)`), so its HTTP handling runs here without Ray."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        method = getattr(self.server, name)
+
+        async def remote(*args):
+            made = method(*args)
+            return await made if asyncio.iscoroutine(made) else made
+
+        return type("Method", (), {"remote": staticmethod(remote)})
 
 
 # -- Process state and concurrency ----------------------------------------------------------------

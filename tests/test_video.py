@@ -301,7 +301,7 @@ def test_image_to_video_matches_eager_from_any_image_size(tmp_path_factory, tmp_
     assert "WanImageToVideoPipeline needs an image: give one (--image), it makes a video from it" in result.output
     result = CliRunner().invoke(main, ["serve", "--artifact", str(built.folder)])  # refused before Ray starts
     assert result.exit_code == 1
-    assert "WanImageToVideoPipeline needs an image, and aotbuild serve takes text requests only" in result.output
+    assert "WanImageToVideoPipeline needs an image in every call, and aotbuild serve serves" in result.output
 
 
 def test_frames_in_targets_are_checked(tmp_path):
