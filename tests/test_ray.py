@@ -713,6 +713,34 @@ def test_load_with_adapter_churn_and_a_replica_killed_mid_load(served, built, lo
 
 
 @pytest.mark.slow
+def test_requests_for_an_adapter_go_to_the_replica_holding_it(built, http_port, loras):
+    """Two replicas, one slot each, two LoRAs: once each replica has loaded one, every request for
+    an adapter is answered by the replica holding it, and no adapter is loaded again."""
+    from ray import serve
+
+    from aotbuild.serve import app, deploy
+
+    adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
+    deploy(app(str(built.folder), replicas=2, cpus=0.5, lora_slots=1, max_batch=1, loras=adapters), "routed",
+           "/routed")
+    url = f"http://127.0.0.1:{http_port}/routed"
+    body = {"prompt": "a red fox", "steps": 1, "seed": 0}
+    try:
+        holders: dict[str, set[str]] = {"ink": set(), "oil": set()}
+        for lora in ("ink", "oil"):  # each lands on some replica and is loaded there
+            assert _post(url, {**body, "lora": lora}, "1-step image, a LoRA")[0] == 200
+        time.sleep(2)  # the replicas report what they hold to Serve's routers
+        for lora in ("ink", "oil") * 4:
+            status, headers, _ = _post(url, {**body, "lora": lora}, "1-step image, a LoRA")
+            assert status == 200
+            holders[lora].add(headers["x-aotbuild-replica"])
+    finally:
+        serve.delete("routed")
+    assert len(holders["ink"]) == len(holders["oil"]) == 1, holders  # always the same replica
+    assert holders["ink"] != holders["oil"]  # one slot each: each holds one adapter
+
+
+@pytest.mark.slow
 def test_load_bench_runs_each_phase_and_writes_its_figures(built, http_port, loras):
     """`aotbuild bench --load` at small size: unbatched, batched, LoRA churn and a replica killed,
     each with no request lost, no wrong image, and the figures written."""
