@@ -517,6 +517,12 @@ def _listed(cases: str | None) -> tuple[str, ...] | None:
                    "WEIGHT its default weight (1); repeatable")
 @click.option("--lora-slots", type=click.IntRange(1), default=4, show_default=True,
               help="LoRAs each replica keeps loaded; requests for one go to a replica holding it")
+@click.option("--weights", "checkpoints", multiple=True, metavar="NAME=FOLDER-OR-HUB-ID",
+              help="another checkpoint of the artifact's architecture requests may name (\"weights\": NAME); "
+                   "repeatable")
+@click.option("--weights-slots", type=click.IntRange(1), default=1, show_default=True,
+              help="other checkpoints each replica keeps loaded beside the artifact's own weights (each is a "
+                   "model's weights in memory)")
 @click.option("--max-batch", type=click.IntRange(1), default=4, show_default=True,
               help="requests of one call shape made together at most (1: no batching)")
 @click.option("--batch-wait-ms", type=click.FloatRange(0), default=10, show_default=True,
@@ -525,20 +531,22 @@ def _listed(cases: str | None) -> tuple[str, ...] | None:
                                                      "run in this process); local folders need no flag")
 def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
           cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int,
-          variant: str | None, loras: tuple[str, ...], lora_slots: int, max_batch: int, batch_wait_ms: float,
-          trust_remote_code: bool) -> None:
+          variant: str | None, loras: tuple[str, ...], lora_slots: int, checkpoints: tuple[str, ...],
+          weights_slots: int, max_batch: int, batch_wait_ms: float, trust_remote_code: bool) -> None:
     """Serve text-to-image (text-to-video) over HTTP on Ray Serve: each replica loads the artifact
     once; POST JSON (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images,
-    frames, output, lora, lora_scale) to the URL: a PNG (an MP4), or JSON; or OpenAI's images
-    request to /v1/images/generations."""
+    frames, output, image, mask, strength, lora, lora_scale, weights) to the URL, or multipart with
+    image and mask files: a PNG (an MP4), or JSON; or OpenAI's images requests to
+    /v1/images/generations and /v1/images/edits."""
     from .hub import check_trusted
-    from .serve import parse_adapters, parse_autoscale, run_server
+    from .serve import parse_adapters, parse_autoscale, parse_checkpoints, run_server
 
     if replicas is not None and autoscale is not None:
         raise AotbuildError("give --replicas or --autoscale, not both")
     check_trusted(artifact, trust_remote_code)
     bounds = parse_autoscale(autoscale) if autoscale else None
     adapters = parse_adapters(loras)  # a missing LoRA file fails here, not in every replica
+    others = parse_checkpoints(checkpoints)
     if not artifact.startswith("hf://"):
         from .manifest import read_manifest
 
@@ -559,7 +567,8 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
     run_server(artifact, host=host, port=port, address=address, echo=click.echo, replicas=replicas or 1,
                autoscale=bounds, cpus=cpus, gpus=gpus or 0, gpu_type=gpu_type, max_steps=max_steps,
                max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=adapters,
-               lora_slots=lora_slots, max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000)
+               lora_slots=lora_slots, checkpoints=others, weights_slots=weights_slots, max_batch=max_batch,
+               batch_wait_s=batch_wait_ms / 1000)
 
 
 @main.command()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import logging
 import math
@@ -32,7 +33,9 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +62,19 @@ REQUEST_FIELDS = {
     "strength": "img2img, inpainting: how much of the image to repaint, above 0 and at most 1",
     "lora": "a LoRA the server was started with (--lora NAME=...), by its name",
     "lora_scale": "the LoRA's weight (default: its --lora weight, else 1)",
+    "weights": "another checkpoint the server was started with (--weights NAME=...), by its name",
 }
 OPENAI_ROUTE = "/v1/images/generations"
 OPENAI_EDITS_ROUTE = "/v1/images/edits"
 OPENAI_ONLY = ("n", "size", "response_format", "model", "user")  # OpenAI's fields; the rest are this server's
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,63}")
 LORA_SLOTS = 4  # adapters a replica keeps loaded (each is its LoRA matrices: megabytes)
+WEIGHTS_SLOTS = 1  # other checkpoints a replica keeps loaded (each is a model's weights: gigabytes)
 MAX_BATCH = 4  # requests made together at most
 BATCH_WAIT_S = 0.01  # how long a request waits for others to batch with (an image takes far longer)
 # What requests share to run as one batch (each asking one image; prompts and seeds may differ).
-BATCHED_BY = ("height", "width", "steps", "guidance_scale", "negative_prompt", "frames", "lora", "lora_scale")
+BATCHED_BY = ("height", "width", "steps", "guidance_scale", "negative_prompt", "frames", "weights", "lora",
+              "lora_scale")
 UNSET = ("", 0.0)  # an adapter state no request asks for: the pipeline's is unknown
 MAX_STEPS = 50
 MAX_IMAGES = 4
@@ -100,10 +106,11 @@ class RequestError(AotbuildError):
 
 def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_STEPS,
                   max_images: int = MAX_IMAGES, adapters: dict[str, float] | None = None,
-                  names: dict[str, str] | None = None) -> dict[str, Any]:
+                  checkpoints: tuple[str, ...] = (), names: dict[str, str] | None = None) -> dict[str, Any]:
     """A request's JSON body checked and completed from `defaults` (`backends.call_defaults`).
-    `adapters`: the LoRAs a request may name, with their default weights. `names`: what a field
-    is called in the request as the client wrote it (an OpenAI request's `n` is `images`).
+    `adapters`: the LoRAs a request may name, with their default weights; `checkpoints`: the other
+    checkpoints it may name. `names`: what a field is called in the request as the client wrote
+    it (an OpenAI request's `n` is `images`).
 
     Raises:
         RequestError: 400, naming the field and what it takes.
@@ -141,6 +148,11 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
         served = (f"this server serves: {', '.join(sorted(adapters))}" if adapters else
                   "this server serves no LoRAs (start it with --lora NAME=PATH)")
         raise RequestError(400, f"field 'lora' is {json.dumps(lora)}; {served}")
+    weights = body.get("weights")
+    if weights is not None and (not isinstance(weights, str) or weights not in checkpoints):
+        served = (f"this server serves: {', '.join(sorted(checkpoints))}" if checkpoints else
+                  "this server serves its artifact's own weights only (start it with --weights NAME=FOLDER)")
+        raise RequestError(400, f"field 'weights' is {json.dumps(weights)}; {served}")
     if scale is not None:
         if lora is None:
             raise RequestError(400, "field 'lora_scale' goes with field 'lora'")
@@ -174,7 +186,8 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
                "seed": integer("seed", 0, 2**63 - 1), "images": integer("images", 1, max_images),
                "frames": integer("frames", 1) if video else None, "output": output, "lora": lora,
                "lora_scale": None if lora is None else float(adapters[lora] if scale is None else scale),
-               "image": image, "mask": mask, "strength": None if strength is None else float(strength)}
+               "image": image, "mask": mask, "strength": None if strength is None else float(strength),
+               "weights": weights}
     if output == single and request["images"] > 1:
         made = "video" if video else "image"
         raise RequestError(400, f'"output": "{single}" returns one {made}; ask "output": "json" for '
@@ -261,13 +274,14 @@ def scrubbed(text: str) -> str:
 class AdapterSlots:
     """The LoRAs a replica may serve (`--lora NAME=SOURCE[:WEIGHT]`) and the ones loaded into its
     pipeline: at most `slots`, the least recently used unloaded first. The caller holds the
-    pipeline's lock: loads and switches change what the next call computes."""
+    pipeline's lock: loads and switches change what the next call computes. `counts`, the
+    replica's, gets the adapter loads, unloads and switches."""
 
-    def __init__(self, pipe: Any, allowed: dict[str, tuple[str, float]], slots: int) -> None:
-        self.pipe, self.allowed, self.slots = pipe, allowed, slots
+    def __init__(self, pipe: Any, allowed: dict[str, tuple[str, float]], slots: int,
+                 counts: dict[str, int]) -> None:
+        self.pipe, self.allowed, self.slots, self.counts = pipe, allowed, slots, counts
         self.loaded: OrderedDict[str, None] = OrderedDict()
         self.active: tuple[str, float] | None = None  # what the pipeline's adapters are set to; None: off
-        self.loads = self.switches = self.unloads = 0
 
     def activate(self, name: str | None, scale: float | None) -> None:
         """Set the pipeline to this adapter at this weight (None: no adapter), loading it first
@@ -288,20 +302,23 @@ class AdapterSlots:
                 if len(self.loaded) >= self.slots:
                     evicted, _ = self.loaded.popitem(last=False)
                     self.pipe.delete_adapters(evicted)
-                    self.unloads += 1
+                    self.counts["adapter_unloads"] += 1
                 source, _ = self.allowed[name]
                 try:
-                    with quiet_libraries():  # diffusers' notes on every load (no text encoder keys) are noise here
+                    # diffusers' and peft's notes on every load (no text encoder keys; several adapters in
+                    # one model, which is what slots are) are noise here.
+                    with quiet_libraries(), warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message="Already found a `peft_config`")
                         self.pipe.load_lora_weights(source, adapter_name=name)
                 except (OSError, ValueError) as exc:  # diffusers' words for a missing or malformed LoRA
                     raise AotbuildError(f"LoRA {name!r} could not be loaded: {exc}") from None
                 self.loaded[name] = None
-                self.loads += 1
+                self.counts["adapter_loads"] += 1
             self.loaded.move_to_end(name)
             self.pipe.enable_lora()
             self.pipe.set_adapters([name], adapter_weights=[scale])
         self.active = wanted
-        self.switches += 1
+        self.counts["adapter_switches"] += 1
 
 
 def parse_adapters(texts: list[str] | tuple[str, ...]) -> dict[str, tuple[str, float]]:
@@ -313,16 +330,41 @@ def parse_adapters(texts: list[str] | tuple[str, ...]) -> dict[str, tuple[str, f
     """
     from .backends import parse_lora
 
-    adapters: dict[str, tuple[str, float]] = {}
+    return _named_options(texts, "--lora", "PATH-OR-HUB-ID[:WEIGHT]", "lora", parse_lora)
+
+
+def parse_checkpoints(texts: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """`--weights NAME=SOURCE` options as {name: source}: SOURCE another checkpoint of the
+    artifact's architecture, a diffusers folder on this machine (it must be one) or a Hub id
+    `org/name[@revision]`.
+
+    Raises:
+        AotbuildError: a malformed option, a name given twice, a local folder that is not a checkpoint.
+    """
+    def checkpoint(source: str) -> str:
+        local = Path(source).expanduser()
+        if local.exists() or source.startswith((".", "/", "~")):
+            if not (local / "model_index.json").is_file():
+                raise AotbuildError(f"--weights {source}: not a diffusers checkpoint (no model_index.json there)")
+            return str(local.resolve())  # replicas may start in another folder
+        return source
+
+    return _named_options(texts, "--weights", "FOLDER-OR-HUB-ID[@REVISION]", "weights", checkpoint)
+
+
+def _named_options(texts: list[str] | tuple[str, ...], option: str, form: str, field: str,
+                   parse: Callable[[str], Any]) -> dict[str, Any]:
+    """NAME=SOURCE options as {name: parse(SOURCE)}: the names requests send as `field`."""
+    named: dict[str, Any] = {}
     for text in texts:
         name, sep, source = text.partition("=")
         if not sep or not ADAPTER_NAME.fullmatch(name) or not source:
-            raise AotbuildError(f"--lora {text!r}: give NAME=PATH-OR-HUB-ID[:WEIGHT], NAME of letters, digits, "
-                                f"'.', '_' or '-' (what requests send as \"lora\")")
-        if name in adapters:
-            raise AotbuildError(f"--lora: the name {name!r} is given twice")
-        adapters[name] = parse_lora(source)
-    return adapters
+            raise AotbuildError(f"{option} {text!r}: give NAME={form}, NAME of letters, digits, '.', '_' or '-' "
+                                f"(what requests send as \"{field}\")")
+        if name in named:
+            raise AotbuildError(f"{option}: the name {name!r} is given twice")
+        named[name] = parse(source)
+    return named
 
 
 def openai_request(body: Any, *, edits: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
@@ -399,7 +441,9 @@ class ImageServer:
         artifact: an artifact folder or `hf://org/name[@revision]` (the aot backend).
         target: instead, a target file run the `backend` way ("eager" or "compile", for comparison).
         loras: the adapters requests may name, {name: (source, weight)}; `lora_slots` of them
-            loaded at once.
+            loaded at once, per checkpoint.
+        checkpoints: other checkpoints of the artifact's architecture requests may name, {name:
+            source}; `weights_slots` of them loaded at once beside the artifact's own weights.
         max_batch: requests run together at most; `batch_wait_s`: how long the first waits for others.
     """
 
@@ -407,6 +451,7 @@ class ImageServer:
                  artifacts_dir: str = "artifacts", max_steps: int = MAX_STEPS, max_images: int = MAX_IMAGES,
                  trust_remote_code: bool = False, variant: str | None = None,
                  loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
+                 checkpoints: dict[str, str] | None = None, weights_slots: int = WEIGHTS_SLOTS,
                  max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S) -> None:
         from ray import serve
 
@@ -426,8 +471,19 @@ class ImageServer:
         self.recorded = recorded
         self.defaults = call_defaults(recorded)
         self.limits = {"max_steps": max_steps, "max_images": max_images}
-        self.adapters = AdapterSlots(self.pipe, dict(loras or {}), lora_slots)
-        self.weights = {name: weight for name, (_, weight) in self.adapters.allowed.items()}
+        if checkpoints and artifact is None:
+            raise AotbuildError("--weights serves other checkpoints through the artifact (the aot backend)")
+        self.counts = {"requests": 0, "images": 0, "batches": 0, "largest_batch": 0, "adapter_loads": 0,
+                       "adapter_unloads": 0, "adapter_switches": 0, "checkpoint_loads": 0, "checkpoint_unloads": 0}
+        self._loras, self._lora_slots = dict(loras or {}), lora_slots
+        self.weights = {name: weight for name, (_, weight) in self._loras.items()}
+        # The pipelines by checkpoint (None: the artifact's own weights, always held), each with its
+        # adapters; other checkpoints are loaded when asked, `weights_slots` at most, least recently
+        # used unloaded first.
+        self._checkpoints, self._weights_slots = dict(checkpoints or {}), weights_slots
+        self._reload = {"artifact": artifact, "trust_remote_code": trust_remote_code, "variant": variant}
+        self._pipes: OrderedDict[str | None, AdapterSlots] = OrderedDict(
+            {None: AdapterSlots(self.pipe, self._loras, lora_slots, self.counts)})
         import torch
 
         # The thread count is part of the result: reductions split by threads round differently.
@@ -436,14 +492,14 @@ class ImageServer:
         self.about = {"artifact": shown, "target": recorded["name"], "backend": backend,
                       "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits,
                       "threads": torch.get_num_threads(), "loras": sorted(self.weights), "lora_slots": lora_slots,
+                      "checkpoints": sorted(self._checkpoints), "weights_slots": weights_slots,
                       "max_batch": max_batch}
-        self.counts = {"requests": 0, "images": 0, "batches": 0, "largest_batch": 0}
         self.queued = 0
         self._lock = threading.Lock()  # the pipeline: one call or adapter change at a time
         self._metrics = _replica_metrics()
-        # Ray Serve keeps the adapters each replica was asked for and routes a request naming one
-        # to a replica that has it; `AdapterSlots` holds the weights, with the same slots and order.
-        self._routed = serve.multiplexed(max_num_models_per_replica=lora_slots)(_adapter_id)
+        # Ray Serve keeps the checkpoint and adapter pairs each replica was asked for and routes a
+        # request naming one to a replica that has it; `_pipes` and `AdapterSlots` hold the weights.
+        self._routed = serve.multiplexed(max_num_models_per_replica=(weights_slots + 1) * (lora_slots + 1))(_route_id)
         # Requests for one adapter arriving within batch_wait_s run together (Serve splits batches
         # by adapter); `_made` groups them further by call shape.
         self._batched = serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=batch_wait_s)(self._made)
@@ -461,12 +517,12 @@ class ImageServer:
         """What GET /health answers: what the replica serves, its counts and memory; raises when
         the health check fails."""
         self.check_health()
-        adapters = self.adapters
         return {"status": "ready", "replica": _replica_id(), "pid": os.getpid(), "load_s": self.load_s,
                 "random_init_s": self.random_init_s, **self.about, "rss_mib": round(_rss_mib(), 1),
-                "served": {**self.counts, "queued": self.queued, "adapter_loads": adapters.loads,
-                           "adapter_switches": adapters.switches, "adapter_unloads": adapters.unloads,
-                           "adapters_loaded": list(adapters.loaded)}}
+                "served": {**self.counts, "queued": self.queued,
+                           "adapters_loaded": list(self._pipes[None].loaded),
+                           "checkpoints_loaded": {name: list(slots.loaded) for name, slots in self._pipes.items()
+                                                  if name is not None}}}
 
     async def generate(self, body: Any, request_id: str, names: dict[str, str] | None = None) -> dict[str, Any]:
         """One request: checked, made (batched with others), encoded. Returns {"media": [bytes...],
@@ -474,11 +530,13 @@ class ImageServer:
         refused or failed (a failure's details go to the log under `request_id`)."""
         replica = _replica_id()
         try:
-            call = parse_request(body, self.defaults, adapters=self.weights, names=names or {}, **self.limits)
+            # In a worker thread: decoding a request's pictures would hold up the event loop.
+            call = await asyncio.to_thread(parse_request, body, self.defaults, adapters=self.weights,
+                                           checkpoints=tuple(self._checkpoints), names=names or {}, **self.limits)
             if reason := covered(self.pipe, self.recorded, call):
                 raise RequestError(422, reason)
-            if call["lora"] is not None:
-                await self._routed(call["lora"])
+            if (route := route_id(call.get("weights"), call["lora"])) is not None:
+                await self._routed(route)
             self.queued += 1
             self._metrics["queued"].set(self.queued)
             made = await self._batched(call)
@@ -527,12 +585,12 @@ class ImageServer:
         from .backends import generate
 
         first = group[0]
-        switches = self.adapters.switches
-        loads = self.adapters.loads
+        switches, loads = self.counts["adapter_switches"], self.counts["adapter_loads"]
         try:
-            self.adapters.activate(first["lora"], first["lora_scale"])
+            adapters = self._pipeline(first["weights"])
+            adapters.activate(first["lora"], first["lora_scale"])
             several = len(group) > 1
-            result = generate(self.pipe, [c["prompt"] for c in group] if several else first["prompt"],
+            result = generate(adapters.pipe, [c["prompt"] for c in group] if several else first["prompt"],
                               steps=first["steps"], seed=[c["seed"] for c in group] if several else first["seed"],
                               height=first["height"], width=first["width"], batch=first["images"],
                               guidance_scale=first["guidance_scale"], negative_prompt=first["negative_prompt"],
@@ -546,8 +604,8 @@ class ImageServer:
 
             return {"status": 500, "error": "failed", "traceback": traceback.format_exc()}
         finally:
-            for metric, before, now in (("switches", switches, self.adapters.switches),
-                                        ("loads", loads, self.adapters.loads)):
+            for metric, before, now in (("switches", switches, self.counts["adapter_switches"]),
+                                        ("loads", loads, self.counts["adapter_loads"])):
                 if now > before:  # a Ray counter takes increments > 0 only
                     self._metrics[metric].inc(now - before)
         self.counts["requests"] += len(group)
@@ -558,6 +616,30 @@ class ImageServer:
         self._metrics["seconds"].observe(result.total_s)
         return {"images": result.images, "seconds": result.total_s}
 
+    def _pipeline(self, name: str | None) -> AdapterSlots:
+        """The pipeline running checkpoint `name` (None: the artifact's own weights), with its
+        adapters; loaded now when it is not held, unloading the least recently used other one
+        first. The caller holds the pipeline lock."""
+        if name in self._pipes:
+            self._pipes.move_to_end(name)
+            return self._pipes[name]
+        from .backends import prepare_artifact
+
+        others = [held for held in self._pipes if held is not None]
+        if len(others) >= self._weights_slots:
+            del self._pipes[others[0]]  # its weights go with its last reference
+            gc.collect()
+            self.counts["checkpoint_unloads"] += 1
+        try:
+            pipe, _ = prepare_artifact(self._reload["artifact"], weights=self._checkpoints[name],
+                                       trust_remote_code=self._reload["trust_remote_code"],
+                                       variant=self._reload["variant"])
+        except AotbuildError as exc:
+            raise AotbuildError(f"checkpoint {name!r} could not be loaded: {exc.message}") from None
+        self.counts["checkpoint_loads"] += 1
+        self._pipes[name] = AdapterSlots(pipe, self._loras, self._lora_slots, self.counts)
+        return self._pipes[name]
+
     def _encoded(self, call: dict[str, Any], made: list[Any]) -> list[bytes]:
         """PNGs of the images, or MP4s of the videos (lists of frames)."""
         if call["frames"] is None:
@@ -565,9 +647,15 @@ class ImageServer:
         return [mp4_bytes(frames, video_fps(type(self.pipe))) for frames in made]
 
 
-async def _adapter_id(name: str) -> str:
-    """What Ray Serve's adapter routing holds per replica: the name (the weights are in `AdapterSlots`)."""
-    return name
+def route_id(weights: str | None, lora: str | None) -> str | None:
+    """The id Ray Serve routes a request by (its multiplexed model id): the checkpoint and the
+    adapter it names, None for the artifact's own weights alone."""
+    return None if weights is None and lora is None else f"{weights or ''}+{lora or ''}"
+
+
+async def _route_id(route: str) -> str:
+    """What Ray Serve's routing holds per replica: the id (the weights are in `_pipes`)."""
+    return route
 
 
 def _replica_metrics() -> dict[str, Any]:
@@ -592,8 +680,8 @@ class Ingress:
         GET  /health                  200 with what a replica serves, 503 when it fails
     """
 
-    def __init__(self, model: Any, loras: tuple[str, ...] = ()) -> None:
-        self.model, self.loras = model, frozenset(loras)
+    def __init__(self, model: Any, loras: tuple[str, ...] = (), checkpoints: tuple[str, ...] = ()) -> None:
+        self.model, self.served = model, (frozenset(checkpoints), frozenset(loras))
         self._seconds = _request_metric()
 
     async def __call__(self, request: Any) -> Any:
@@ -628,11 +716,16 @@ class Ingress:
             raw = await _limited_body(request)
             multipart = request.headers.get("content-type", "").startswith("multipart/form-data")
             body = await _form(request.headers, raw) if multipart else read_json(raw)
-            body, names = openai_request(body, edits=path.endswith(OPENAI_EDITS_ROUTE)) if openai else (body, {})
-            lora = body.get("lora") if isinstance(body, dict) else None
-            # An adapter the server was not started with is refused by the replica, unrouted.
+            if openai:  # an edit's mask is decoded: in a worker thread, off the event loop
+                body, names = await asyncio.to_thread(openai_request, body, edits=path.endswith(OPENAI_EDITS_ROUTE))
+            else:
+                names = {}
+            # A checkpoint or adapter the server was not started with is refused by the replica, unrouted.
+            named = [body.get(field) if isinstance(body, dict) else None for field in ("weights", "lora")]
+            known = all(n is None or isinstance(n, str) and n in served for n, served in zip(named, self.served,
+                                                                                              strict=True))
             made = await self._remote("generate", body, request_id, names,
-                                      adapter=lora if isinstance(lora, str) and lora in self.loras else "")
+                                      route=(route_id(*named) if known else None) or "")
         except RequestError as exc:
             return answer(exc.status, exc.message)
         except ReplicaLost as exc:
@@ -655,13 +748,13 @@ class Ingress:
         return JSONResponse({"videos" if made["videos"] else "images": encoded, "replica": made["replica"],
                              "request": request_id, "seconds": made["seconds"]}, headers=headers)
 
-    async def _remote(self, method: str, *args: Any, adapter: str = "") -> Any:
-        """The model deployment's `method`, routed to a replica holding `adapter`; a replica lost
-        mid-request (stopped, crashed, killed) is retried once on another, then reported."""
+    async def _remote(self, method: str, *args: Any, route: str = "") -> Any:
+        """The model deployment's `method`, routed to a replica holding `route` (`route_id`); a
+        replica lost mid-request (stopped, crashed, killed) is retried once on another, then reported."""
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import ReplicaUnavailableError
 
-        handle = self.model.options(multiplexed_model_id=adapter) if adapter else self.model
+        handle = self.model.options(multiplexed_model_id=route) if route else self.model
         for attempt in range(2):
             try:
                 return await getattr(handle, method).remote(*args)
@@ -747,7 +840,8 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         cpus: float = 1, gpus: float = 0, gpu_type: str | None = None, max_steps: int = MAX_STEPS,
         max_images: int = MAX_IMAGES, env: dict[str, str] | None = None, trust_remote_code: bool = False,
         variant: str | None = None, loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
-        max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S) -> Any:
+        checkpoints: dict[str, str] | None = None, weights_slots: int = WEIGHTS_SLOTS, max_batch: int = MAX_BATCH,
+        batch_wait_s: float = BATCH_WAIT_S) -> Any:
     """The Serve application: an `Ingress` in front of `replicas` `ImageServer`s, or `autoscale`
     (min, max) of them scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind
     `gpu_type`, Ray's accelerator type). `env`: more environment for the replicas (the driver's
@@ -755,8 +849,9 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     runs in every replica), and its revision is resolved here, once: every replica, the ones
     autoscaling adds later too, loads that commit; `variant` names the target in a repo holding
     several. `loras` ({name: (source, weight)}, `parse_adapters`): the LoRAs requests may name,
-    `lora_slots` loaded per replica. `max_batch`, `batch_wait_s`: requests made together. Run it
-    with `ray.serve.run(app(...))`."""
+    `lora_slots` loaded per replica; `checkpoints` ({name: source}, `parse_checkpoints`): other
+    checkpoints of the architecture, `weights_slots` loaded per replica beside the artifact's own.
+    `max_batch`, `batch_wait_s`: requests made together. Run it with `ray.serve.run(app(...))`."""
     from ray import serve
 
     from .cluster import forwarded_env, require_ray
@@ -768,9 +863,11 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
 
         check_trusted(artifact, trust_remote_code)
         artifact = pinned(artifact)
-    if lora_slots < 1 or max_batch < 1 or batch_wait_s < 0:
-        raise AotbuildError(f"lora_slots ({lora_slots}) and max_batch ({max_batch}) are at least 1, batch_wait_s "
-                            f"({batch_wait_s}) at least 0")
+    if min(lora_slots, weights_slots, max_batch) < 1 or batch_wait_s < 0:
+        raise AotbuildError(f"lora_slots ({lora_slots}), weights_slots ({weights_slots}) and max_batch ({max_batch}) "
+                            f"are at least 1, batch_wait_s ({batch_wait_s}) at least 0")
+    if checkpoints and artifact is None:
+        raise AotbuildError("--weights serves other checkpoints through an artifact (the aot backend)")
     env_vars = {**spin_env(), **forwarded_env(), **(env or {})}
     actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env_vars}}
     if gpu_type:
@@ -788,11 +885,12 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     model = serve.deployment(ImageServer, name="ImageServer", **options).bind(
         artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir), max_steps=max_steps,
         max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=loras,
-        lora_slots=lora_slots, max_batch=max_batch, batch_wait_s=batch_wait_s)
+        lora_slots=lora_slots, checkpoints=checkpoints, weights_slots=weights_slots, max_batch=max_batch,
+        batch_wait_s=batch_wait_s)
     # The front computes nothing: it reserves no CPU and takes every request the replicas may queue.
     front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=1000)
-    return front.bind(model, tuple(loras or ()))
+    return front.bind(model, tuple(loras or ()), tuple(checkpoints or ()))
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:

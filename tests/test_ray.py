@@ -41,7 +41,7 @@ def test_request_defaults_and_fields():
     call = parse_request({"prompt": "a fox"}, DEFAULTS)
     assert call == {"prompt": "a fox", "negative_prompt": None, "steps": 4, "guidance_scale": 5.0, "height": 64,
                     "width": 64, "seed": 0, "images": 1, "frames": None, "output": "png", "lora": None,
-                    "lora_scale": None, "image": None, "mask": None, "strength": None}
+                    "lora_scale": None, "image": None, "mask": None, "strength": None, "weights": None}
     adapters = {"ink": 0.8}  # the LoRAs the server was started with, and their default weights
     assert {k: parse_request({"prompt": "a fox", "lora": "ink"}, DEFAULTS, adapters=adapters)[k]
             for k in ("lora", "lora_scale")} == {"lora": "ink", "lora_scale": 0.8}
@@ -114,6 +114,11 @@ def test_serve_loras_are_named_and_found_before_anything_starts(tmp_path):
                          ([f"ink={lora}", f"ink={lora}"], "--lora: the name 'ink' is given twice"),
                          (["ink=/no/such/ink.safetensors"], "--lora /no/such/ink.safetensors: no such file")):
         result = CliRunner().invoke(main, ["serve", "--artifact", str(tmp_path), *[f"--lora={g}" for g in given]])
+        assert result.exit_code == 1 and words in result.output, result.output
+    (tmp_path / "finetune").mkdir()
+    for given, words in ((f"anime={tmp_path / 'finetune'}", "finetune: not a diffusers checkpoint (no model_index"),
+                         ("anime=./no/such", "--weights ./no/such: not a diffusers checkpoint")):
+        result = CliRunner().invoke(main, ["serve", "--artifact", str(tmp_path), "--weights", given])
         assert result.exit_code == 1 and words in result.output, result.output
 
 
@@ -294,19 +299,28 @@ def loras(tmp_path_factory, tiny_target) -> dict[str, Path]:
     return {"ink": make_lora(pipe, folder / "ink", seed=1), "oil": make_lora(pipe, folder / "oil", seed=2, rank=8)}
 
 
+@pytest.fixture(scope="module")
+def finetune(tmp_path_factory, tiny_target) -> Path:
+    """Another checkpoint of the tiny SDXL architecture (other random weights), as a diffusers folder."""
+    folder = tmp_path_factory.mktemp("finetune") / "seed7"
+    eager_pipeline(tiny_target, seed=7).save_pretrained(folder)
+    return folder
+
+
 SERVED = {"cpus": 0.5, "lora_slots": 1, "batch_wait_s": 0.3}  # one slot: a second adapter unloads the first
 
 
 @pytest.fixture(scope="module")
-def served(built, http_port, loras):
-    """The tiny SDXL artifact on one replica at /test, serving the LoRAs ink (weight 0.8) and oil."""
+def served(built, http_port, loras, finetune):
+    """The tiny SDXL artifact on one replica at /test, serving the LoRAs ink (weight 0.8) and oil,
+    and the checkpoint seed7 beside the artifact's own weights."""
     from ray import serve
 
     from aotbuild.serve import app, deploy
 
     start = time.perf_counter()
     adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
-    deploy(app(str(built.folder), loras=adapters, **SERVED), "test", "/test")
+    deploy(app(str(built.folder), loras=adapters, checkpoints={"seed7": str(finetune)}, **SERVED), "test", "/test")
     LATENCIES["deploy to ready, 1 replica"] = [time.perf_counter() - start]
     yield f"http://127.0.0.1:{http_port}/test"
     serve.delete("test")
@@ -511,6 +525,27 @@ def test_per_request_loras_equal_aotbuild_run_with_that_lora(served, built, lora
                          ({**body, "lora": "ink", "lora_scale": "strong"}, "field 'lora_scale' must be a finite")):
         status, _, answer = _post(served, asked, "refused")
         assert status == 400 and words in json.loads(answer)["error"], answer
+
+
+@pytest.mark.slow
+def test_per_request_checkpoints_equal_aotbuild_run_with_those_weights(served, built, loras, finetune, tmp_path):
+    """A request names another checkpoint the server was started with (and a LoRA on it): the
+    image is `aotbuild run --weights` (and --lora)'s; the artifact's own weights stay held."""
+    body = {"prompt": "a red fox in the snow", "steps": 2, "seed": 3, "images": 1}
+    threads = _health(served)["threads"]
+    own = _post(served, body, "2-step image")[2]
+    for asked, extra in (({"weights": "seed7"}, ("--weights", str(finetune))),
+                         ({"weights": "seed7", "lora": "ink"}, ("--weights", str(finetune), "--lora",
+                                                                f"{loras['ink']}:0.8"))):
+        status, _, png = _post(served, {**body, **asked}, "2-step image, another checkpoint")
+        assert status == 200, png[:300]
+        assert np.abs(_pixels(png) - _run_png(built, tmp_path, body, threads, *extra)).max() == 0, asked
+        assert np.abs(_pixels(png) - _pixels(own)).max() > 10  # other weights, another image
+    assert np.array_equal(_pixels(_post(served, body, "2-step image")[2]), _pixels(own))  # own weights, as before
+    served_counts = _health(served)["served"]
+    assert served_counts["checkpoint_loads"] == 1 and served_counts["checkpoints_loaded"] == {"seed7": ["ink"]}
+    status, _, answer = _post(served, {**body, "weights": "seed8"}, "refused")
+    assert status == 400 and 'field \'weights\' is "seed8"; this server serves: seed7' in json.loads(answer)["error"]
 
 
 @pytest.mark.slow
