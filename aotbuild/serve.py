@@ -559,8 +559,8 @@ class ImageServer:
         return await asyncio.to_thread(self._generate, calls)
 
     def _generate(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each call's images, or its error; calls of one shape (size, steps, guidance, negative
-        prompt, adapter) asking one image each are made as one pipeline call, each with its seed."""
+        """Each call's images, or its error; calls of one shape (`BATCHED_BY`) asking one image each,
+        from no image, are made as one pipeline call, each with its prompt and seed."""
         groups: dict[Any, list[int]] = {}
         for i, call in enumerate(calls):
             batched = call["images"] == 1 and call["image"] is None

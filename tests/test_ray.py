@@ -122,6 +122,14 @@ def test_serve_loras_are_named_and_found_before_anything_starts(tmp_path):
         assert result.exit_code == 1 and words in result.output, result.output
 
 
+def test_the_load_bench_options_are_checked_before_anything_starts():
+    for args, words in ((["--load", "4"], "--load '4': give CLIENTSxREQUESTS, e.g. 4x8"),
+                        (["--lora", "ink=ink.safetensors"], "--lora and --max-batch go with --load"),
+                        (["--load", "2x2", "--serve"], "--load benches a served artifact; it takes --steps")):
+        result = CliRunner().invoke(main, ["bench", "--target", "cpu-tiny-sdxl", *args])
+        assert result.exit_code == 1 and words in result.output, result.output
+
+
 def test_an_eager_video_server_is_held_to_the_largest_video_its_target_makes():
     """The eager and compile backends have no variants to check a request against: a video's frames
     count with its pixels, so 10,000 frames are refused before any latents are allocated."""
