@@ -756,6 +756,25 @@ def test_load_with_adapter_churn_and_a_replica_killed_mid_load(served, built, lo
 
 
 @pytest.mark.slow
+def test_replica_metrics_reach_rays_prometheus_export(served):
+    """The replicas' figures are exported with Ray's metrics (Prometheus text on each node's
+    metrics port), tagged by deployment."""
+    import ray
+
+    assert _post(served, {"prompt": "a red fox", "steps": 1, "lora": "ink"}, "1-step image, a LoRA")[0] == 200
+    port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    wanted = ("aotbuild_request_seconds", "aotbuild_generate_seconds", "aotbuild_batch_requests",
+              "aotbuild_queued_requests", "aotbuild_adapter_switches")
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline and not all(name in text for name in wanted):
+        time.sleep(2)  # Ray exports metrics every few seconds
+        text = request(f"http://127.0.0.1:{port}/metrics")[2].decode()
+    missing = [name for name in wanted if name not in text]
+    assert not missing, missing
+    assert re.search(r'aotbuild_generate_seconds_count\{[^}]*deployment="ImageServer"', text)
+
+
+@pytest.mark.slow
 def test_requests_for_an_adapter_go_to_the_replica_holding_it(built, http_port, loras):
     """Two replicas, one slot each, two LoRAs: once each replica has loaded one, every request for
     an adapter is answered by the replica holding it, and no adapter is loaded again."""
