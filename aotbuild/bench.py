@@ -25,6 +25,7 @@ from typing import Any
 
 from .errors import AotbuildError
 from .openmp import spin_setting
+from .peers import PEERS
 
 CASES = ("eager", "compile", "compile-cached", "aot")
 # Opt-in: the same artifact served by its dynamic model only, at the first bucket's shape (the
@@ -46,7 +47,11 @@ REGIONAL_CASE = "aot-regional"
 # (`enable_cache`), alternating with the same calls uncached, in the same process.
 CACHE_CASE = "aot-cache"
 CACHE_THRESHOLD = 0.2  # default: diffusers' own example's; the images' difference to uncached is reported beside it
-EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE, REGIONAL_CASE, CACHE_CASE)
+# Opt-in: the runtimes users pick instead (`peers.PEERS`), on the whole pipeline: its denoiser
+# converted by the peer from the float32 model at the first bucket's call (once per bench run, in a
+# fresh process: the case's build_s), the rest of the pipeline eager, as a user would deploy it.
+PEER_CASES = tuple(PEERS)
+EXTRA_CASES = ("aot-dynamic", *GRAPH_CASES, LORA_CASE, TILING_CASE, REGIONAL_CASE, CACHE_CASE, *PEER_CASES)
 FIGURES = {
     "ready_s": "process start to pipeline ready",
     "first_step_s": "process start to first denoising step done",
@@ -64,7 +69,7 @@ FIGURES = {
     "artifact_mib": "artifact bytes",
     "package_mib": "compiled code bytes: the .pt2 packages (aot cases)",
     "build_s": "aotbuild build --force in a fresh process, empty inductor cache, once per bench run (aot and "
-               "aot-regional, when aot-regional is in the run)",
+               "aot-regional, when aot-regional is in the run); a peer's conversion of the denoiser (peers)",
     "lora_switch_s": "LoRA A -> B with diffusers' hotswap=True: read B (page cache dropped), merge, bind (aot-lora)",
     "lora_load_switch_s": "LoRA A -> B as a new adapter: load it, activate it, delete A, merge, bind (aot-lora)",
     "lora_floor_s": "reading the LoRA file cold plus one copy of the weights it touches (aot-lora)",
@@ -192,6 +197,11 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
         raise AotbuildError("case compile-cached needs case compile (it loads the cache compile saved)")
     if CACHE_CASE in cases:
         _check_takes_caches(target)
+    skipped = {case: reason for case in cases if case in PEERS and (reason := PEERS[case].missing())}
+    cases = tuple(case for case in cases if case not in skipped)
+    if any(case in PEERS for case in cases) and target.dtype != "float32":
+        raise AotbuildError(f"the peer cases run the float32 model; {target.name} is {target.dtype}",
+                            hint="bench the peers on a float32 target")
     builds: dict[str, float] = {}
     # aot-regional compares fresh builds of both; aot-cache on a whole-model target runs on the
     # regional sibling (built here unless aot-regional builds it).
@@ -209,10 +219,18 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     folder = built_artifact(documented, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     meta = {"target": documented.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
-            "openmp_wait": spin_setting(),
+            "openmp_wait": spin_setting(), "skipped": skipped,
             "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     started, seconds = time.perf_counter(), {case: 0.0 for case in cases}  # each case's worker time so far
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:
+        converted: dict[str, float] = {}  # a peer's saved conversion (OpenVINO's serves both precisions)
+        for case in (c for c in cases if c in PEERS):
+            folder_name = _peer_folder(case)
+            if folder_name not in converted:
+                if progress:
+                    progress(f"converting the denoiser for {case}: fresh process, float32 model")
+                converted[folder_name] = _run_convert(case, target_path, artifacts_dir, Path(work) / folder_name)
+            builds[case] = converted[folder_name]
         for rep in range(repeats):
             mega_cache = Path(work) / f"mega-cache-{rep}.bin"
             for case in cases:
@@ -327,20 +345,39 @@ def _run_child(cmd: list[str], env: dict[str, str], timeout: float, what: str) -
         raise BenchError(f"{what} failed (exit {result.returncode}):\n{tail}")
 
 
+def _peer_folder(case: str) -> str:
+    """The work folder of a peer case's conversion: one per converter (OpenVINO's two precisions load one)."""
+    return f"peer-{PEERS[case].convert.__name__.strip('_')}"
+
+
+def _run_convert(case: str, target_path: str, artifacts_dir: Path, folder: Path) -> float:
+    """Seconds to convert the target's denoiser for the peer of `case` into `folder`, in a fresh process."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "aotbuild.bench", "--case", case, "--convert", "--target", target_path,
+           "--artifacts", str(artifacts_dir), "--peer-dir", str(folder)]
+    _run_child(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, BUILD_TIMEOUT_S, f"the {case} conversion")
+    return time.perf_counter() - start
+
+
 def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, steady: int,
                 mega_cache: Path, work: Path, cache_threshold: float = CACHE_THRESHOLD) -> dict[str, Any]:
     out = work / f"{case}-{time.monotonic_ns()}.json"
     # Each process gets an empty inductor cache: `compile` pays its real cold cost, and
-    # `compile-cached` starts from the mega-cache alone. Artifacts are read from a cold page cache.
+    # `compile-cached` starts from the mega-cache alone. Artifacts (a peer's saved model) are read
+    # from a cold page cache.
     artifact = artifacts_dir / _case_target(case, target_path).name
     if case.startswith("aot"):
         drop_page_cache([p for p in artifact.rglob("*") if p.is_file()])
+    if case in PEERS:
+        drop_page_cache([p for p in (work / _peer_folder(case)).rglob("*") if p.is_file()])
     cache_dir = tempfile.mkdtemp(prefix="inductor-", dir=work)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "aotbuild.bench", "--case", case, "--target", str(target_path),
            "--artifacts", str(artifacts_dir), "--steps", str(steps), "--steady", str(steady),
            "--mega-cache", str(mega_cache), "--out", str(out), "--spawn-time", repr(time.time()),
            "--cache-threshold", repr(cache_threshold)]
+    if case in PEERS:
+        cmd += ["--peer-dir", str(work / _peer_folder(case))]
     _run_child(cmd, env, WORKER_TIMEOUT_S, f"bench case {case}")
     if not out.is_file():
         raise BenchError(f"bench case {case} ended without writing its results")
@@ -419,8 +456,10 @@ def _worker(args: argparse.Namespace) -> None:
         component_classes(source_folder)
 
     rss_before, load_start = _rss_mib(), time.perf_counter()
-    backend = "aot" if args.case.startswith("aot") else "compile" if args.case == "compile-cached" else args.case
+    backend = "aot" if args.case.startswith("aot") else "compile" if args.case == "compile-cached" else \
+        "eager" if args.case in PEERS else args.case
     pipe = prepare(target, backend, Path(args.artifacts), cuda_graphs=GRAPH_CASES.get(args.case))
+    chose = _denoiser_on_peer(pipe, target, args.case, Path(args.peer_dir)) if args.case in PEERS else {}
     load_s = time.perf_counter() - load_start - random_init_seconds()
     if args.case == "aot-dynamic":
         from .runtime import CompiledComponent
@@ -464,12 +503,67 @@ def _worker(args: argparse.Namespace) -> None:
         figures.update(_tiled_against_untiled(pipe, bucket, args.steady))
     if args.case == CACHE_CASE:
         figures.update(_cached_against_uncached(pipe, call, args.steady, args.cache_threshold))
+    if args.case in PEERS:
+        figures["artifact_mib"] = sum(p.stat().st_size for p in Path(args.peer_dir).iterdir()) / 2**20
+        figures["peer"] = chose
     if args.case.startswith("aot"):
         figures["artifact_mib"] = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file()) / 2**20
         figures["package_mib"] = sum(p.stat().st_size for p in artifact.glob("*.pt2")) / 2**20
         figures["weights_read_s"] = _cold_read_s(sorted(artifact.glob("*.safetensors")))
         figures["load_over_floor"] = load_s / figures["weights_read_s"]
     Path(args.out).write_text(json.dumps(figures))
+
+
+def _denoiser_spec(target: Any) -> Any:
+    from .pipelines import pipeline_spec
+
+    return next(spec for spec in pipeline_spec(target.pipeline).components.values() if spec.denoiser)
+
+
+def _convert(args: argparse.Namespace) -> None:
+    """Body of a conversion process: the denoiser's float32 model, exported at the call the float32
+    pipeline makes at the first bucket, converted by the peer and saved into --peer-dir, with the
+    dtypes of the tensors it takes."""
+    from .component_bench import reference_call
+    from .peers import call_tensors, tensor_program
+
+    target = _case_target(args.case, args.target)
+    reference, call = reference_call(target, _denoiser_spec(target))
+    folder = Path(args.peer_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    PEERS[args.case].convert(tensor_program(reference, call.args, call.kwargs), folder)
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in call_tensors(call.args, call.kwargs)]
+    (folder / PEER_INPUTS).write_text(json.dumps(dtypes))
+
+
+PEER_INPUTS = "inputs.json"
+
+
+def _denoiser_on_peer(pipe: Any, target: Any, case: str, folder: Path) -> dict[str, Any]:
+    """The pipeline's denoiser computed by the peer's saved model: its forward replaced by the peer's
+    runner (the module stays for what the pipeline reads of it: config, dtype). Returns what the
+    peer chose (precision, threads).
+
+    Raises:
+        BenchError: a call with other tensors than the converted one takes (another pipeline call).
+    """
+    import torch
+
+    from .peers import call_tensors
+
+    dtypes = [getattr(torch, name) for name in json.loads((folder / PEER_INPUTS).read_text())]
+    runner, chose = PEERS[case].load(folder)
+
+    def forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        tensors = call_tensors(args, kwargs)
+        if len(tensors) != len(dtypes):
+            raise BenchError(f"{case}: the denoiser got {len(tensors)} tensors; the converted model takes "
+                             f"{len(dtypes)}")
+        # The timestep as exported (float32, see capture.float_timestep), every other tensor as it is.
+        return tuple(runner([t.to(dtype) for t, dtype in zip(tensors, dtypes, strict=True)]))
+
+    getattr(pipe, _denoiser_spec(target).attribute).forward = forward
+    return chose
 
 
 def random_lora(pipe: Any, attribute: str, path: Path, seed: int, rank: int = LORA_RANK) -> Path:
@@ -643,7 +737,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--spawn-time", type=float)
     parser.add_argument("--cache-threshold", type=float, default=CACHE_THRESHOLD)
+    parser.add_argument("--convert", action="store_true", help="a peer case: convert the denoiser and exit")
+    parser.add_argument("--peer-dir", help="a peer case: its saved conversion")
     args = parser.parse_args(argv)
+    if args.convert:
+        _convert(args)
+        return
     if args.build:
         from .builder import build
 

@@ -385,7 +385,9 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
                               "aot-tiling (the first bucket decoded whole and by tiles), aot-regional (the target "
                               "built with [compile] mode = \"regional\"; both builds are timed afresh first), "
                               "aot-cache (First-Block Cache on the regional denoiser against uncached; a whole-model "
-                              "target's regional build is made first); with "
+                              "target's regional build is made first), openvino, openvino-f32, onnxruntime (the "
+                              "whole pipeline with the peer's conversion of the float32 denoiser; pip install "
+                              "'aotbuild[peers]'); with "
                               "--serve: backends (default: aot,eager,compile)")
 @click.option("--quick", is_flag=True, help="a first look in a few minutes: eager and aot only (unless --cases), "
                                             "1 repetition, 2 steps, 1 steady image (an option given as well wins)")

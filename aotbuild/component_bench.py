@@ -91,7 +91,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         skipped["aot-model"] = "a regional artifact's model is its blocks, run by the code between them"
 
     say(f"eager float32: the call {component} gets at {target.shapes[0]}, and its output")
-    reference, call = _reference_call(target, spec)
+    reference, call = reference_call(target, spec)
     runtimes: dict[str, _Runtime] = {}
     converted: dict[Callable, tuple[Path, float]] = {}
     with tempfile.TemporaryDirectory(prefix="aotbuild-peers-") as work, torch.no_grad():
@@ -124,7 +124,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     return document
 
 
-def _reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
+def reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
     """The component's float32 module (unoptimized, as the build's reference) and the call the
     float32 pipeline makes to it at the first bucket, with its output."""
     from . import capture

@@ -110,6 +110,39 @@ def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
     assert "ratio to aot" in result.output and plot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
+def test_peer_cases_run_the_whole_pipeline_with_the_peers_denoiser(built, tmp_path):
+    """The peers on the whole pipeline, each in fresh processes: the denoiser converted once per
+    converter (OpenVINO's two precisions share it), its time the case's build_s, the saved model
+    read cold; the table's ratios put them beside aot."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    result = CliRunner().invoke(main, [
+        "bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts", str(artifacts),
+        "--cases", "aot,openvino,openvino-f32,onnxruntime", "--repeats", "1", "--steps", "2", "--steady", "1"],
+        catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("[bench] converting the denoiser for") == 2  # OpenVINO once, ONNX Runtime once
+    document = json.loads((artifacts / built.folder.name / "bench.json").read_text())
+    assert list(document["runs"]) == ["aot", "openvino", "openvino-f32", "onnxruntime"]
+    assert document["meta"]["skipped"] == {}
+    runs = {case: figures[0] for case, figures in document["runs"].items()}
+    for case in ("openvino", "openvino-f32", "onnxruntime"):
+        run = runs[case]
+        assert run["build_s"] > 0 and run["artifact_mib"] > 1 and run["steady_step_s"] > 0, (case, run)
+        assert run["package_mib"] is None and document["ratio_to_aot"][case]["steady_step_s"] > 0
+    assert runs["openvino"]["build_s"] == runs["openvino-f32"]["build_s"]  # one conversion, loaded twice
+    assert runs["openvino-f32"]["peer"]["precision"] == "f32" and runs["onnxruntime"]["peer"]["precision"] == "f32"
+    bf16 = tmp_path / "cpu-tiny-sdxl-bf16.toml"
+    bf16.write_text((TARGETS / "cpu-tiny-sdxl.toml").read_text().replace('dtype = "float32"', 'dtype = "bfloat16"')
+                    .replace('name = "cpu-tiny-sdxl"', 'name = "cpu-tiny-sdxl-bf16"'))
+    (tmp_path / "configs").symlink_to(TARGETS / "configs")
+    refused = CliRunner().invoke(main, ["bench", "--target", str(bf16), "--artifacts", str(artifacts),
+                                        "--cases", "onnxruntime"])
+    assert refused.exit_code == 1 and "the peer cases run the float32 model; cpu-tiny-sdxl-bf16 is bfloat16" in \
+        refused.output
+
+
 def test_lora_switch_case_measures_switches_against_their_floor(built, tmp_path, monkeypatch):
     # A package cache of its own: the suite's background builders extract packages into the shared
     # one meanwhile, and those files are not the switches'.
