@@ -7,49 +7,63 @@ one is skipped with the reason (`missing`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .private_apis import pytree
-
-Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+# torch is imported where it is used: `aotbuild bench` lists these peers' names before the command
+# sets OpenMP's spin (openmp.py), which torch reads when it loads.
+Runner = Callable[[list[Any]], list[Any]]  # torch tensors in, torch tensors out
 _GIVEN = object()  # a tensor leaf's place: the call gives it
 
 
-class TensorCall(torch.nn.Module):
-    """`module(*args, **kwargs)` as a function of the call's tensors alone (its other leaves, such as
-    `return_dict=False`, fixed as recorded), returning the output's tensors: the form a converter
-    takes, each input a tensor."""
+@functools.cache
+def _tensor_call_class() -> type:
+    import torch
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        super().__init__()
-        self.module = module
-        leaves, self._spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        self._fixed = [_GIVEN if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    from .private_apis import pytree
 
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        given = iter(tensors)
-        leaves = [next(given) if fixed is _GIVEN else fixed for fixed in self._fixed]
-        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        output = self.module(*args, **kwargs)
-        return tuple(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
+    class TensorCall(torch.nn.Module):
+        """`module(*args, **kwargs)` as a function of the call's tensors alone (its other leaves,
+        such as `return_dict=False`, fixed as recorded), returning the output's tensors: the form a
+        converter takes, each input a tensor."""
+
+        def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            super().__init__()
+            self.module = module
+            leaves, self._spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+            self._fixed = [_GIVEN if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+        def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            given = iter(tensors)
+            leaves = [next(given) if fixed is _GIVEN else fixed for fixed in self._fixed]
+            args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+            output = self.module(*args, **kwargs)
+            return tuple(leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor))
+
+    return TensorCall
 
 
-def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The call's tensors, in the order `TensorCall` takes them."""
+def call_tensors(args: tuple, kwargs: dict) -> list[Any]:
+    """The call's tensors, in the order `tensor_program`'s module takes them."""
+    import torch
+
+    from .private_apis import pytree
+
     return [leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor)]
 
 
-def tensor_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export (static, non-strict, as aotbuild's build exports) of `TensorCall` at this call."""
+def tensor_program(module: Any, args: tuple, kwargs: dict) -> Any:
+    """torch.export (static, non-strict, as aotbuild's build exports) of the module as a function
+    of the call's tensors alone, at this call: an `ExportedProgram`."""
+    import torch
+
     with torch.no_grad():
-        return torch.export.export(TensorCall(module, args, kwargs).eval(), tuple(call_tensors(args, kwargs)),
-                                   strict=False)
+        return torch.export.export(_tensor_call_class()(module, args, kwargs).eval(),
+                                   tuple(call_tensors(args, kwargs)), strict=False)
 
 
 @dataclass(frozen=True)
@@ -59,7 +73,7 @@ class Peer:
 
     name: str
     module: str  # the Python package it needs
-    convert: Callable[[torch.export.ExportedProgram, Path], None]
+    convert: Callable[[Any, Path], None]  # an ExportedProgram saved into a folder
     load: Callable[[Path], tuple[Runner, dict[str, Any]]]  # (runner, what it chose: precision, threads)
     about: str
 
@@ -70,7 +84,7 @@ class Peer:
         return None
 
 
-def _openvino_convert(program: torch.export.ExportedProgram, folder: Path) -> None:
+def _openvino_convert(program: Any, folder: Path) -> None:
     import openvino as ov
 
     # Weights as they are: OpenVINO's save compresses them to float16 unless told not to.
@@ -80,12 +94,13 @@ def _openvino_convert(program: torch.export.ExportedProgram, folder: Path) -> No
 def _openvino_loader(precision: str | None) -> Callable[[Path], tuple[Runner, dict[str, Any]]]:
     def load(folder: Path) -> tuple[Runner, dict[str, Any]]:
         import openvino as ov
+        import torch
 
         config = {"INFERENCE_PRECISION_HINT": precision} if precision else {}
         compiled = ov.Core().compile_model(folder / "model.xml", "CPU", config)
         request = compiled.create_infer_request()
 
-        def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        def run(tensors: list[Any]) -> list[Any]:
             results = request.infer([t.contiguous().numpy() for t in tensors])
             return [torch.from_numpy(results[output].copy()) for output in compiled.outputs]
 
@@ -96,18 +111,21 @@ def _openvino_loader(precision: str | None) -> Callable[[Path], tuple[Runner, di
     return load
 
 
-def _onnx_convert(program: torch.export.ExportedProgram, folder: Path) -> None:
+def _onnx_convert(program: Any, folder: Path) -> None:
+    import torch
+
     # Weights beside the graph: one ONNX file holds at most 2 GB.
     torch.onnx.export(program, (), dynamo=True, verbose=False).save(folder / "model.onnx", external_data=True)
 
 
 def _onnx_load(folder: Path) -> tuple[Runner, dict[str, Any]]:
     import onnxruntime as ort
+    import torch
 
     session = ort.InferenceSession(folder / "model.onnx", providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
 
-    def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(tensors: list[Any]) -> list[Any]:
         outputs = session.run(None, {name: t.contiguous().numpy() for name, t in zip(names, tensors, strict=True)})
         return [torch.from_numpy(output) for output in outputs]
 
