@@ -420,7 +420,8 @@ def _weights_mib(pipe: Any) -> float:
     return total / 2**20
 
 
-def _rss_mib() -> float:
+def rss_mib() -> float:
+    """This process's resident memory, MiB (bench workers, serving replicas)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -455,7 +456,7 @@ def _worker(args: argparse.Namespace) -> None:
     if (source_folder := local_folder(target.source, target.base_dir)) is not None:
         component_classes(source_folder)
 
-    rss_before, load_start = _rss_mib(), time.perf_counter()
+    rss_before, load_start = rss_mib(), time.perf_counter()
     backend = "aot" if args.case.startswith("aot") else "compile" if args.case == "compile-cached" else \
         "eager" if args.case in PEERS else args.case
     pipe = prepare(target, backend, Path(args.artifacts), cuda_graphs=GRAPH_CASES.get(args.case))
@@ -469,7 +470,7 @@ def _worker(args: argparse.Namespace) -> None:
                 if isinstance(module, CompiledComponent):
                     module.variants = [v for v in module.variants if v.name == "dynamic"]
     figures: dict[str, Any] = {"ready_s": since_spawn(), "load_s": load_s, "random_init_s": random_init_seconds(),
-                               "load_rss_mib": _rss_mib() - rss_before, "weights_mib": _weights_mib(pipe)}
+                               "load_rss_mib": rss_mib() - rss_before, "weights_mib": _weights_mib(pipe)}
 
     # A pipeline that makes videos from an image (Wan's image-to-video) starts from a seeded one;
     # one that edits several images together edits the bucket's, as the build captured them.
@@ -605,7 +606,7 @@ def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
     attribute, denoiser = next((n, m) for n, m in pipe.components.items() if hasattr(m, "update_weights"))
     files = [random_lora(pipe, attribute, work / f"lora{i}.safetensors", seed=i) for i in (0, 1)]
     caches = (Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", work / "none")), package_cache_dir())
-    files_before, rss_before = _files_under(*caches), _rss_mib()
+    files_before, rss_before = _files_under(*caches), rss_mib()
     pipe.load_lora_weights(files[0], adapter_name="lora")
     denoiser.update_weights()
     touched = [denoiser.weights[fqn] for fqn in denoiser._lora._merged]
@@ -646,7 +647,7 @@ def _lora_switches(pipe: Any, work: Path) -> dict[str, Any]:
             "lora_load_switch_over_floor": statistics.median(loads) / median_floor,
             "lora_touched_mib": sum(t.numel() * t.element_size() for t in touched) / 2**20,
             "lora_buffers_mib": sum(b.numel() * b.element_size() for b in denoiser._lora._buffers.values()) / 2**20,
-            "lora_rss_mib": _rss_mib() - rss_before, "lora_new_files": _files_under(*caches) - files_before}
+            "lora_rss_mib": rss_mib() - rss_before, "lora_new_files": _files_under(*caches) - files_before}
 
 
 def _tile_pixels(target: Any) -> int:

@@ -427,12 +427,6 @@ def _openai_mask(request: dict[str, Any]) -> None:
         request["image"] = png_bytes(picture.convert("RGB"))
 
 
-def _rss_mib() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
 class ImageServer:
     """One replica: the pipeline loaded once, in the constructor; requests made one call at a time,
     those arriving together with the same call shape as one batch. Called through `Ingress`.
@@ -476,7 +470,7 @@ class ImageServer:
         self.counts = {"requests": 0, "images": 0, "batches": 0, "largest_batch": 0, "adapter_loads": 0,
                        "adapter_unloads": 0, "adapter_switches": 0, "checkpoint_loads": 0, "checkpoint_unloads": 0}
         self._loras, self._lora_slots = dict(loras or {}), lora_slots
-        self.weights = {name: weight for name, (_, weight) in self._loras.items()}
+        self.lora_weights = {name: weight for name, (_, weight) in self._loras.items()}
         # The pipelines by checkpoint (None: the artifact's own weights, always held), each with its
         # adapters; other checkpoints are loaded when asked, `weights_slots` at most, least recently
         # used unloaded first.
@@ -491,7 +485,7 @@ class ImageServer:
         shown = artifact if artifact is None or artifact.startswith("hf://") else Path(artifact).name
         self.about = {"artifact": shown, "target": recorded["name"], "backend": backend,
                       "pipeline": type(self.pipe).__name__, "defaults": self.defaults, **self.limits,
-                      "threads": torch.get_num_threads(), "loras": sorted(self.weights), "lora_slots": lora_slots,
+                      "threads": torch.get_num_threads(), "loras": sorted(self.lora_weights), "lora_slots": lora_slots,
                       "checkpoints": sorted(self._checkpoints), "weights_slots": weights_slots,
                       "max_batch": max_batch}
         self.queued = 0
@@ -516,9 +510,11 @@ class ImageServer:
     def health(self) -> dict[str, Any]:
         """What GET /health answers: what the replica serves, its counts and memory; raises when
         the health check fails."""
+        from .bench import rss_mib
+
         self.check_health()
         return {"status": "ready", "replica": _replica_id(), "pid": os.getpid(), "load_s": self.load_s,
-                "random_init_s": self.random_init_s, **self.about, "rss_mib": round(_rss_mib(), 1),
+                "random_init_s": self.random_init_s, **self.about, "rss_mib": round(rss_mib(), 1),
                 "served": {**self.counts, "queued": self.queued,
                            "adapters_loaded": list(self._pipes[None].loaded),
                            "checkpoints_loaded": {name: list(slots.loaded) for name, slots in self._pipes.items()
@@ -531,7 +527,7 @@ class ImageServer:
         replica = _replica_id()
         try:
             # In a worker thread: decoding a request's pictures would hold up the event loop.
-            call = await asyncio.to_thread(parse_request, body, self.defaults, adapters=self.weights,
+            call = await asyncio.to_thread(parse_request, body, self.defaults, adapters=self.lora_weights,
                                            checkpoints=tuple(self._checkpoints), names=names or {}, **self.limits)
             if reason := covered(self.pipe, self.recorded, call):
                 raise RequestError(422, reason)

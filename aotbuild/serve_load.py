@@ -199,11 +199,10 @@ def bench_load(target_path: str, artifacts_dir: Any, *, clients: int = 4, reques
             deploy(app(str(folder), cpus=cpus, max_batch=batch, loras=adapters or None, lora_slots=slots),
                    "load", "/load")
             try:
-                for warm in bodies[:1]:
-                    status, _, content = request(url, warm, timeout=timeout)
-                    if status != 200:
-                        raise AotbuildError(f"serve load bench: the warm-up request answered {status}: "
-                                            f"{content[:300]!r}")
+                status, _, content = request(url, bodies[0], timeout=timeout)  # warm-up
+                if status != 200:
+                    raise AotbuildError(f"serve load bench: the warm-up request answered {status}: "
+                                        f"{content[:300]!r}")
                 phase("batched" if batch > 1 else "unbatched", bodies)
                 if batch == 1:
                     continue
