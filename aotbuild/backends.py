@@ -159,11 +159,13 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
 
 def compile_options(target: Target) -> dict[str, Any]:
     """torch.compile's inductor options for the target: the build's, less the AOT-only packaging ones."""
-    from .export import WEIGHTLESS_OPTIONS, inductor_options
+    from .export import FREEZING_OPTION, WEIGHTLESS_OPTIONS, inductor_options
     from .optimize import inductor_flags
 
     options = inductor_options(target.inductor, inductor_flags(target.optimize))
-    return {k: v for k, v in options.items() if k not in WEIGHTLESS_OPTIONS}
+    # Without freezing too: torch.compile would bake the weights it first saw into its code, and
+    # a LoRA or checkpoint loaded afterwards would change nothing.
+    return {k: v for k, v in options.items() if k not in WEIGHTLESS_OPTIONS and k != FREEZING_OPTION}
 
 
 @dataclass

@@ -10,7 +10,15 @@ from typing import Any
 import torch
 
 from .errors import AotbuildError, BuildError
-from .private_apis import aot_compile, cuda_compiler, inductor_config, package_aoti, python_printer, shape_env
+from .private_apis import (
+    aot_compile,
+    cuda_compiler,
+    inductor_config,
+    package_aoti,
+    python_printer,
+    recording_folds,
+    shape_env,
+)
 
 # Options every compile gets, on top of the target's [inductor] table:
 # - the package holds code only; weights go to safetensors and are bound at load;
@@ -49,6 +57,11 @@ MARCH_OPTION = "cpp.march"
 PORTABLE_MARCH = ""
 
 
+# Set by `optimize.prepack`: AOTInductor folds the weights' layout changes and oneDNN packing into
+# constants, which the manifest records how to make (`compile_variant`).
+FREEZING_OPTION = "freezing"
+
+
 def supports_multi_arch() -> bool:
     """Whether this torch's AOTInductor can emit multi-arch (PTX + SASS) kernels."""
     return MULTI_ARCH_OPTION in inductor_config().get_config_copy()
@@ -80,6 +93,9 @@ def check_inductor_keys(options: dict[str, Any], error: type[AotbuildError], ori
         if key == MULTI_ARCH_OPTION:
             raise error(f"{where}[inductor] key {key!r} is set by aotbuild",
                         hint="use gpu = { ..., multi_arch = true }")
+        if key == FREEZING_OPTION:
+            raise error(f"{where}[inductor] key {key!r} is set by aotbuild", hint="use optimize.prepack = true: "
+                        "frozen constants are then made from the bound weights at load, so weights stay data")
         if key == MARCH_OPTION:
             raise error(f"{where}[inductor] key {key!r} is set by aotbuild: CPU code is built for this machine's CPU "
                         f"(checked at load), CUDA host code for a portable baseline")
@@ -168,8 +184,10 @@ def shape_guards(program: torch.export.ExportedProgram) -> list[str]:
     return guards
 
 
-def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> list:
-    """AOTInductor compile of one exported program; returns the files to package."""
+def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+    """AOTInductor compile of one exported program; returns the files to package and, when it
+    freezes (`optimize.prepack`), how each constant it folded is made from the weights (by the
+    name the model binds it under: `runtime.prepared`'s recipes, not yet checked against it)."""
     args, kwargs = program.example_inputs
     graph = program.module(check_guards=False)
     # Tensors the forward makes from Python data (Chroma's torch.tensor([0] * batch)) are lifted
@@ -181,11 +199,62 @@ def compile_variant(program: torch.export.ExportedProgram, options: dict[str, An
         if isinstance(value, torch.Tensor) and attribute not in module._buffers:
             delattr(module, attribute)
             module.register_buffer(attribute, value, persistent=False)
-    try:
-        files = aot_compile(graph, args, kwargs, dict(options))
-    except Exception as exc:
-        raise BuildError(f"AOTInductor compile failed: {exc}") from exc
-    return files
+    freezing = bool(options.get("freezing"))
+    # Freezing prepacks oneDNN weights only for code that computes no gradients.
+    with recording_folds(_fold_step) if freezing else contextlib.nullcontext({}) as folds, \
+            torch.no_grad() if freezing else contextlib.nullcontext():
+        try:
+            files = aot_compile(graph, args, kwargs, dict(options))
+        except Exception as exc:
+            raise BuildError(f"AOTInductor compile failed: {exc}") from exc
+    return files, {name: _inlined(step, folds) for name, step in folds.items() if step is not None}
+
+
+def _fold_step(node: torch.fx.Node) -> dict[str, Any]:
+    """The graph node freezing replaces by a constant, as a recipe step (`runtime.prepared`):
+    constants it reads are `{"constant": name}` until `_inlined` resolves them."""
+    from .runtime.prepared import resolve
+
+    if node.op == "get_attr":
+        return {"constant": node.target}
+    if node.op != "call_function" or resolve(str(node.target)) != node.target:
+        raise BuildError(f"freezing folded {node.op} {node.target} into a constant: not a torch operator a "
+                         f"prepared constant's recipe can call")
+    step: dict[str, Any] = {"op": str(node.target), "args": [_fold_argument(a) for a in node.args]}
+    if node.kwargs:
+        step["kwargs"] = {k: _fold_argument(v) for k, v in node.kwargs.items()}
+    return step
+
+
+def _fold_argument(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return _fold_step(value)
+    if isinstance(value, (list, tuple)):
+        return [_fold_argument(item) for item in value]
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise BuildError(f"freezing folded a constant with an argument aotbuild cannot record: {value!r}")
+
+
+def _inlined(step: Any, folds: dict[str, Any]) -> Any:
+    """The step with every constant it reads either inlined (another folded constant's recipe)
+    or a weight (`{"weight": fqn}`)."""
+    if isinstance(step, list):
+        return [_inlined(item, folds) for item in step]
+    if not isinstance(step, dict):
+        return step
+    if "constant" in step:
+        name = step["constant"]
+        if name not in folds:
+            return {"weight": name}
+        if folds[name] is None:
+            raise BuildError(f"freezing folded a constant from {name}, which no weight makes")
+        return _inlined(folds[name], folds)
+    return {key: _inlined(value, folds) for key, value in step.items()}
 
 
 def package(path: Path, compiled: dict[str, list]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import TargetError
+from .export import FREEZING_OPTION
 from .manifest import DTYPES
 from .private_apis import pytree, unwrap_tensor_subclasses
 from .recipes import QUANT_RECIPES, capability
@@ -176,9 +177,29 @@ def apply_quantize(modules: Modules, value: str, device: str) -> dict[str, Any]:
     return {"recipe": value, "layers": layers, "inductor": recipe.inductor}
 
 
+def _validate_prepack(value: Any, device: str, gpu: Any) -> None:
+    _bool("prepack")(value, device, gpu)
+    if value and device != "cpu":
+        raise TargetError("optimize.prepack is for CPU targets: it prepares weights in the layout oneDNN's CPU "
+                          "kernels compute with", hint="remove it from this target")
+
+
+@register("prepack", validate=_validate_prepack)
+def apply_prepack(modules: Modules, value: bool, device: str) -> dict[str, Any]:
+    """CPU: convolution and linear weights in the blocked layout oneDNN computes with, instead of
+    reordered on every call. AOTInductor freezes the model (its oneDNN convolutions and linears
+    then take packed weights); the manifest records how each packed constant is made from the
+    weights, and the runtime makes them at load from the weights it binds, and again when a
+    checkpoint, a LoRA or a write changes those weights. Costs the packing at load and a packed
+    copy of those weights in memory."""
+    return {"enabled": value}
+
+
 def inductor_flags(options: dict[str, Any]) -> dict[str, Any]:
-    """Inductor options the passes themselves ask for (a quant recipe's fused int matmuls)."""
-    return dict(QUANT_RECIPES[options["quantize"]].inductor) if "quantize" in options else {}
+    """Inductor options the passes themselves ask for (a quant recipe's fused int matmuls, prepack's
+    freezing)."""
+    flags = dict(QUANT_RECIPES[options["quantize"]].inductor) if "quantize" in options else {}
+    return {**flags, FREEZING_OPTION: True} if options.get("prepack") else flags
 
 
 def tolerance(options: dict[str, Any], dtype_tolerance: float) -> float:
@@ -203,6 +224,9 @@ def validate_optimize(options: dict[str, Any], *, origin: str, device: str, gpu:
             PASSES[key].validate(value, device, gpu)
         except TargetError as exc:
             raise TargetError(f"{origin}: {exc.message}", hint=exc.hint) from None
+    if options.get("prepack") and "quantize" in options:
+        raise TargetError(f"{origin}: optimize.prepack does not combine with optimize.quantize: the quant "
+                          f"recipe's int8 weights are not prepared for oneDNN", hint="choose one of them")
 
 
 def apply_dtype(modules: Modules, dtype: str, force_upcast: dict[str, bool]) -> dict[str, str]:

@@ -8,7 +8,9 @@ it): torch's compiler modules are imported by the functions that need them.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,10 @@ from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "IncompatibleKeys", "accept_compiled_class", "aot_compile", "aoti_runner", "block_registry", "cuda_compiler",
-    "fake_tensor_mode", "inductor_config", "package_aoti", "python_printer", "pytree", "ray_started_head",
-    "serve_http_port", "shape_env", "storage_at", "unwrap_tensor_subclasses",
+    "IncompatibleKeys", "accept_compiled_class", "aot_compile", "aoti_runner", "block_registry", "borrowed_mkldnn",
+    "cuda_compiler", "fake_tensor_mode", "inductor_config", "package_aoti", "python_printer", "pytree",
+    "mkldnn_memory", "ray_started_head", "recording_folds", "serve_http_port", "shape_env", "storage_at",
+    "unwrap_tensor_subclasses", "versions",
 ]
 
 
@@ -45,6 +48,62 @@ def storage_at(data_ptr: int, device: torch.device, nbytes: int) -> torch.Untype
     which a compiled model's constants are bound to by pointer. Without it: binding weights
     copies them (twice the memory of the weights at load)."""
     return torch._C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
+
+
+def borrowed_mkldnn(tensor: torch.Tensor) -> torch.Tensor:
+    """A oneDNN (mkldnn-layout) tensor over the memory of `tensor`, owning none of it: made by
+    AOTInductor's C shim `aoti_torch_create_tensor_from_blob_v2` (how a compiled model makes its
+    own oneDNN constants over its weight blob), read back with `torch._C._aoti`'s
+    `alloc_tensor_by_stealing_from_void_ptr`; `torch.ops.mkldnn.data_ptr` and
+    `_get_mkldnn_serialized_md` give the memory and its oneDNN descriptor. Without it: a prepared
+    constant bound by pointer is kept alive by torch 2.13 until the process ends (see
+    `runtime.weights.Lender`), so every load of a prepacked artifact would leak its prepared weights."""
+    import ctypes
+
+    shim = _c_shim()
+    descriptor = torch.ops.mkldnn._get_mkldnn_serialized_md(tensor)
+    ndim = tensor.dim()
+    dtype = shim.aoti_torch_dtype_float32() if tensor.dtype == torch.float32 else shim.aoti_torch_dtype_bfloat16()
+    handle = ctypes.c_void_p()
+    error = shim.aoti_torch_create_tensor_from_blob_v2(
+        ctypes.c_void_p(mkldnn_memory(tensor)[0]), ctypes.c_int64(ndim), (ctypes.c_int64 * ndim)(*tensor.shape),
+        (ctypes.c_int64 * ndim)(*[0] * ndim), ctypes.c_int64(0), dtype, shim.aoti_torch_device_type_cpu(),
+        ctypes.c_int32(0), ctypes.byref(handle), shim.aoti_torch_layout__mkldnn(),
+        ctypes.c_void_p(descriptor.data_ptr()), ctypes.c_int64(descriptor.numel()))
+    if error or not handle.value:
+        raise RuntimeError(f"aoti_torch_create_tensor_from_blob_v2 failed ({error}) for a {tensor.dtype} oneDNN tensor")
+    capsule = ctypes.pythonapi.PyCapsule_New(handle.value, None, None)
+    return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(capsule)
+
+
+def mkldnn_memory(tensor: torch.Tensor) -> tuple[int, int]:
+    """torch.ops.mkldnn.data_ptr and _nbytes: where a oneDNN tensor's memory is and its size (such
+    a tensor has no storage). Without it: the views bound of prepared constants cannot be shared."""
+    return torch.ops.mkldnn.data_ptr(tensor), torch.ops.mkldnn._nbytes(tensor)
+
+
+def versions(tensors: list[torch.Tensor]) -> list[int]:
+    """Tensor._version of each: the counter every in-place write moves (views share their base's).
+    Raises RuntimeError for an inference tensor, which keeps none. Without it: a weight written in
+    place (a LoRA merged into its buffer, `p.mul_()`) would not reach its prepared constant."""
+    return [tensor._version for tensor in tensors]
+
+
+_SHIM: list[Any] = []
+
+
+def _c_shim() -> Any:
+    import ctypes
+
+    if not _SHIM:
+        shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        for name in ("aoti_torch_dtype_float32", "aoti_torch_dtype_bfloat16", "aoti_torch_device_type_cpu",
+                     "aoti_torch_layout__mkldnn", "aoti_torch_create_tensor_from_blob_v2"):
+            getattr(shim, name).restype = ctypes.c_int32
+        ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
+        ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        _SHIM.append(shim)
+    return _SHIM[0]
 
 
 def inductor_config() -> Any:
@@ -67,6 +126,34 @@ def aot_compile(graph: torch.fx.GraphModule, args: tuple, kwargs: dict, options:
     """torch._inductor.aot_compile: an exported graph compiled to files, not yet packaged, so
     that several variants go into one package. Without it: one package per variant."""
     return torch._inductor.aot_compile(graph, args, kwargs, options=options)
+
+
+@contextlib.contextmanager
+def recording_folds(describe: Callable[[torch.fx.Node], Any]) -> Iterator[dict[str, Any]]:
+    """torch._inductor.constant_folding.replace_node_with_constant (also bound in
+    torch._inductor.freezing), wrapped for the block: each constant that freezing folds from the
+    weights (`_frozen_paramN`: a oneDNN-packed convolution or linear weight, a transposed one) is
+    recorded, by the name the compiled model binds it under, as `describe(node)` of the graph node
+    it replaces, taken before the node is gone. Without it: a frozen model's constants are values
+    of the build's weights, and another checkpoint or a LoRA could not be prepared the same way."""
+    from torch._inductor import constant_folding, freezing
+
+    folds: dict[str, Any] = {}
+    original = constant_folding.replace_node_with_constant
+
+    def replace(gm: torch.fx.GraphModule, node: torch.fx.Node, constant: torch.Tensor | None = None,
+                name: str | None = None) -> None:
+        made = describe(node) if constant is not None else None
+        before = set(gm._buffers)
+        original(gm, node, constant, name)
+        for new in set(gm._buffers) - before:
+            folds[new] = made
+
+    constant_folding.replace_node_with_constant = freezing.replace_node_with_constant = replace
+    try:
+        yield folds
+    finally:
+        constant_folding.replace_node_with_constant = freezing.replace_node_with_constant = original
 
 
 def package_aoti(path: Path, compiled: dict[str, list]) -> None:

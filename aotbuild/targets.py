@@ -400,6 +400,10 @@ def _parse_compile(origin: str, table: Any, spec: Any, components: dict[str, Any
             raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" does not combine with optimize.quantize: "
                               f"the code between blocks runs eager, and the runtime does not import torchao",
                               hint='use [compile] mode = "whole" for a quantized target')
+        if optimize.get("prepack"):
+            raise TargetError(f"{origin}: key 'compile.mode' = \"regional\" does not combine with optimize.prepack: "
+                              f"each region's code is bound to every block's weights in turn, and prepared "
+                              f"constants are made per model", hint='use [compile] mode = "whole" to prepack')
     return mode
 
 

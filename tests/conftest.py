@@ -70,8 +70,9 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # the session: a build is one Python thread or one g++ at a time, so two cores build two targets.
 # Each list is in the order the tests first need them; `build_once` waits on a target's build
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
-PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
-              "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
+PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sdxl-prepack", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint",
+              "cpu-tiny-sdxl-regional", "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma",
+              "cpu-tiny-chroma",
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-qwen-image-edit-plus",
               "cpu-tiny-flux-kontext"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
@@ -200,6 +201,19 @@ def int8_target():
 def built_int8(tmp_path_factory, int8_target):
     """cpu-tiny-sdxl-int8 (fused QKV + channels_last + int8 dynamic) built once."""
     return build_once(tmp_path_factory, int8_target)
+
+
+@pytest.fixture(scope="session")
+def prepack_target():
+    from aotbuild.targets import load_target
+
+    return load_target(TARGETS / "cpu-tiny-sdxl-prepack.toml")
+
+
+@pytest.fixture(scope="session")
+def built_prepack(tmp_path_factory, prepack_target):
+    """cpu-tiny-sdxl-prepack (oneDNN's packed weights made at load) built once."""
+    return build_once(tmp_path_factory, prepack_target)
 
 
 @pytest.fixture

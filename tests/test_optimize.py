@@ -37,7 +37,7 @@ def op_counts(module, call) -> collections.Counter:
 
 
 def test_every_pass_is_documented():
-    assert list(PASSES) == ["tf32", "sdpa", "fuse_qkv", "channels_last", "quantize"]
+    assert list(PASSES) == ["tf32", "sdpa", "fuse_qkv", "channels_last", "quantize", "prepack"]
     assert all(len(p.doc) > 40 for p in PASSES.values())
 
 

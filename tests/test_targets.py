@@ -128,6 +128,13 @@ BAD = [
     (GOOD + "[optimize]\nturbo = true\n", r"unknown key 'optimize.turbo'; known passes: tf32, sdpa, fuse_qkv"),
     (GOOD + '[optimize]\nsdpa = "flash"\n', r"optimize.sdpa = 'flash' needs CUDA"),
     (GOOD + "[optimize]\nfuse_qkv = 1\n", r"optimize.fuse_qkv must be true or false"),
+    (GOOD.replace('device = "cpu"', 'device = "cuda"\ngpu = { name = "H100", capability = "9.0" }')
+     + "[optimize]\nprepack = true\n", r"optimize.prepack is for CPU targets"),
+    (GOOD + '[optimize]\nprepack = true\nquantize = "int8_dynamic"\n',
+     r"optimize.prepack does not combine with optimize.quantize"),
+    (GOOD + '[optimize]\nprepack = true\n[compile]\nmode = "regional"\n',
+     r"'compile.mode' = \"regional\" does not combine with optimize.prepack"),
+    (GOOD + "[inductor]\nfreezing = true\n", r"\[inductor\] key 'freezing' is set by aotbuild"),
     (GOOD.replace('source = "random:tiny-sdxl"', 'source = "random:nothing"'),
      r"key 'source': random source 'random:nothing': no config set at .*nothing"),
     (GOOD + "[[shapes]]\nbatch = 1\nheight = 64\nwidth = 64\n", r"'shapes\[1\]' repeats bucket 1x64x64"),

@@ -17,6 +17,7 @@ from ..pipelines import KEPT_MODULES, TEXT, ComponentSpec, plain_attribute
 from ..private_apis import fake_tensor_mode, pytree
 from ..runtime import leaf_signature, open_model
 from ..runtime.checkpoint import module_tensors
+from ..runtime.prepared import sources as prepared_sources
 from ..runtime.variant import leaf_name
 from ..runtime.weights import same_layout
 from .context import BuildContext
@@ -270,12 +271,14 @@ def _empty_like(tensor: torch.Tensor, size: list[int]) -> torch.Tensor:
                        memory_format=torch.channels_last if nhwc else torch.contiguous_format)
 
 
-def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProgram], what: str) -> dict[str, list]:
-    compiled = {}
+def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProgram],
+                what: str) -> tuple[dict[str, list], dict[str, dict[str, Any]]]:
+    """Each program compiled: its files, and the recipes of the constants it folded (prepack)."""
+    compiled, folded = {}, {}
     for i, (name, program) in enumerate(programs.items(), 1):
         with ctx.stages("compile", f"{what} {name} ({i}/{len(programs)}, AOTInductor)"):
-            compiled[name] = export.compile_variant(program, ctx.inductor_options)
-    return compiled
+            compiled[name], folded[name] = export.compile_variant(program, ctx.inductor_options)
+    return compiled, folded
 
 
 def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, compiled: dict[str, list],
@@ -310,11 +313,14 @@ def build_component(ctx: BuildContext, spec: ComponentSpec, module: torch.nn.Mod
         programs[plan.name] = export_checked(ctx, exported, spec.name, plan, call, leaf_dims, call_batch, variants[-1],
                                              {p: ctx.reference[p][spec.name] for p in plan.points})
     export.name_constants_apart(programs)
-    compiled = compile_all(ctx, programs, spec.name)
+    compiled, folded = compile_all(ctx, programs, spec.name)
     kept = {fqn: tensor for fqn, tensor in module_tensors(exported).items() if fqn.split(".")[0] in KEPT_MODULES}
     with ctx.stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = write_package(ctx.out, spec.name, compiled, programs, torch.device(ctx.target.device),
-                                           kept=kept)
+                                           kept=kept, folded=folded)
+    for variant in variants:
+        if folded[variant["name"]]:
+            variant["prepared"] = folded[variant["name"]]
     record = component_record(spec, module, dtype, compiled, constants, layouts, variants)
     if unread := export.unread_weights(list(programs.values()), constants):
         record["unread"] = unread
@@ -353,7 +359,7 @@ def _dynamic_signature(call: capture.CapturedCall, dims: list) -> list[dict[str,
 
 def write_package(out: Path, name: str, compiled: dict[str, list], programs: dict[str, torch.export.ExportedProgram],
                    device: torch.device, regional: tuple | None = None, kept: dict[str, torch.Tensor] | None = None,
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+                   folded: dict[str, dict[str, Any]] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Write the package, then the weights: exactly the constants some variant binds (the
     programs also hold parameters no compiled code reads, e.g. the q/k/v projections that
     fuse_qkv replaced), each in the memory order the code reads it, and the `kept` tensors the
@@ -361,7 +367,10 @@ def write_package(out: Path, name: str, compiled: dict[str, list], programs: dic
 
     `regional` (model, regions, instances, region entries): the constants are every instance's
     (by the model's FQNs), each region's lifted ones once (`<region>.<name>`), and the eager
-    part's parameters and buffers; each region variant's entry records the names it binds."""
+    part's parameters and buffers; each region variant's entry records the names it binds.
+
+    `folded` (prepack), by model: the recipes of the constants freezing folded. Those the model
+    binds are made at load from weights, which are stored instead; `folded` keeps only them."""
     from safetensors.torch import save_file
 
     package_file, weights_file = f"{name}.pt2", f"{name}.safetensors"
@@ -369,6 +378,11 @@ def write_package(out: Path, name: str, compiled: dict[str, list], programs: dic
     sha256 = sha256_file(out / package_file)
     binds = {model: list(open_model(out / package_file, sha256, model, device).get_constant_fqns())
              for model in compiled}
+    for model, recipes in (folded or {}).items():
+        made = {name: recipes[name] for name in binds[model] if name in recipes}
+        recipes.clear()
+        recipes.update(made)
+        binds[model] = sorted((set(binds[model]) - set(made)).union(*map(prepared_sources, made.values())))
     if regional is None:
         constants = export.constants_of(list(programs.values()), {fqn for names in binds.values() for fqn in names})
     else:

@@ -56,7 +56,7 @@ def build_regional(ctx: BuildContext, spec: ComponentSpec, module: torch.nn.Modu
             entries.append(entry)
         region_entries.append({"name": region.name, "class": region.block_class, "instances": list(region.instances),
                                "variants": entries})
-    compiled = compile_all(ctx, programs, spec.name)
+    compiled, _ = compile_all(ctx, programs, spec.name)  # no freezing: prepack is refused for regional
     with ctx.stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = write_package(ctx.out, spec.name, compiled, programs, torch.device(ctx.target.device),
                                            regional=(module, found, instances, region_entries))

@@ -17,6 +17,7 @@ from ..private_apis import aoti_runner, pytree
 from ..shapes import failed_guard, infer_size, relations_hold, solve
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
+from .prepared import PreparedConstants
 from .weights import Lender, bindable, contiguous_strides, dtype_name
 
 SIZES_REMEMBERED = 64  # calls' size sets whose fit a variant keeps (a dynamic model sees many)
@@ -150,8 +151,12 @@ class CompiledVariant:
         self._model = open_model(package, sha256, entry.get("model", self.name), context.device)
         self.constant_fqns = list(self._model.get_constant_fqns())
         self._fqns = set(self.constant_fqns)
+        recipes = entry.get("prepared", {})
+        # Constants made from the weights at load (optimize.prepack), remade when those change.
+        self._prepared = PreparedConstants(recipes, weights, package) if recipes else None
         # The tensors bound now, kept alive here for as long as the model may read them.
-        self._bound = {fqn: bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
+        self._bound = {fqn: self._prepared.tensors[fqn] if fqn in recipes else
+                       bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
         # Bind before any call: a weight-less model run without constants crashes the process.
         # user_managed: by pointer, no copy.
         self._model.load_constants(context.lender.views(self._bound), False, True, True)
@@ -191,6 +196,9 @@ class CompiledVariant:
         next call reads them, and the tensors bound before are no longer kept alive for it. A
         captured CUDA graph recorded the old pointers: captured again."""
         mine = {fqn: tensor for fqn, tensor in tensors.items() if fqn in self._fqns}
+        if self._prepared is not None:
+            with self._lock:  # remade in place: the model keeps their pointers
+                self._prepared.rebind(tensors)
         if mine:
             with self._lock:
                 self._model.load_constants(self._context.lender.views(mine), False, False, True)
@@ -264,6 +272,8 @@ class CompiledVariant:
                 return self._run_unlocked(leaves)
 
     def _run_unlocked(self, leaves: list[tuple[str, Any]]) -> Any:
+        if self._prepared is not None:  # weights written in place since the last call (a LoRA merge)
+            self._prepared.refresh()
         if self.graph_pool is not None:
             tensors = [self._converted(path, leaf, expected) for (path, leaf), expected
                        in zip(leaves, self.inputs, strict=True) if isinstance(leaf, torch.Tensor)]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptArtifactError
-from ..private_apis import storage_at
+from ..private_apis import borrowed_mkldnn, mkldnn_memory, storage_at
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -104,6 +104,11 @@ class Lender:
         return {name: self._view(tensor) for name, tensor in tensors.items()}
 
     def _view(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_mkldnn:  # a prepared constant (runtime.prepared): oneDNN's own memory, no storage
+            key = (*mkldnn_memory(tensor), tensor.dtype, tuple(tensor.shape))
+            if key not in self._views:
+                self._views[key] = borrowed_mkldnn(tensor)
+            return self._views[key]
         storage = tensor.untyped_storage()
         where = (storage.data_ptr(), storage.nbytes(), tensor.device)
         key = (*where, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))

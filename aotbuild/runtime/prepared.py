@@ -1,0 +1,120 @@
+"""Constants a compiled model reads in a form prepared from the weights (`optimize.prepack`):
+convolution and linear weights in the blocked layout oneDNN computes with, made at load from the
+weights bound now, and made again whenever those weights change (another checkpoint, a LoRA
+merged, a parameter written in place), so that the weights stay data.
+
+The manifest records, per variant, how each is made (`entry["prepared"]`: name -> recipe). A
+recipe is a tree of JSON: `{"weight": FQN}` reads a bound weight; `{"op": "ns.name[.overload]",
+"args": [...], "kwargs": {...}}` calls a torch operator of an allowed namespace; an argument is a
+recipe, a JSON literal, a list, or `{"memory_format": name}` / `{"dtype": name}`. E.g. a 3x3
+convolution's weight: `mkldnn._reorder_convolution_weight(aten.clone.default(conv.weight,
+memory_format=channels_last), [1, 1], [1, 1], [1, 1], 1, [2, 320, 16, 16])`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import CorruptArtifactError
+from ..private_apis import versions
+
+# Operators a recipe may call: torch's own (freezing folds layout changes and oneDNN packing).
+NAMESPACES = frozenset({"aten", "prims", "mkldnn", "mkl"})
+
+
+def resolve(op: str) -> Any:
+    """The torch operator a recipe names: `aten.clone.default`, `mkldnn._reorder_convolution_weight`."""
+    namespace, name, *overload = op.split(".")
+    if namespace not in NAMESPACES or len(overload) > 1:
+        raise CorruptArtifactError(f"a prepared constant's recipe calls {op!r}, not an operator of "
+                                   f"{', '.join(sorted(NAMESPACES))}")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return getattr(packet, overload[0]) if overload else packet
+    except AttributeError:
+        raise CorruptArtifactError(f"a prepared constant's recipe calls {op!r}, which this torch "
+                                   f"({torch.__version__}) lacks") from None
+
+
+def sources(recipe: Any) -> set[str]:
+    """The weights (FQNs) a recipe reads."""
+    if isinstance(recipe, list):
+        return set().union(*map(sources, recipe)) if recipe else set()
+    if not isinstance(recipe, dict):
+        return set()
+    if "weight" in recipe:
+        return {recipe["weight"]}
+    return sources(recipe.get("args", [])) | sources(list(recipe.get("kwargs", {}).values()))
+
+
+def prepare(recipe: dict[str, Any], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The recipe's tensor, made from `weights` (no autograd: constants)."""
+    with torch.no_grad():
+        return _value(recipe, weights)
+
+
+def _value(node: Any, weights: dict[str, torch.Tensor]) -> Any:
+    if isinstance(node, list):
+        return [_value(item, weights) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "weight" in node:
+        return weights[node["weight"]]
+    if "op" in node:
+        return resolve(node["op"])(*_value(node.get("args", []), weights),
+                                   **{k: _value(v, weights) for k, v in node.get("kwargs", {}).items()})
+    if "memory_format" in node:
+        return getattr(torch, node["memory_format"])
+    if "dtype" in node:
+        return getattr(torch, node["dtype"])
+    raise CorruptArtifactError(f"a prepared constant's recipe holds {node!r}, which is no recipe step")
+
+
+class PreparedConstants:
+    """One variant's prepared constants, each made once from the weights it reads and remade in
+    place (the compiled model keeps its pointer) when they change: `rebind` for weights bound
+    anew, `refresh` before each call for weights written in place (their version counters)."""
+
+    def __init__(self, recipes: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor], package: Any) -> None:
+        self._recipes = recipes
+        self._reads = {name: sorted(sources(recipe)) for name, recipe in recipes.items()}
+        needed = set().union(*self._reads.values()) if recipes else set()
+        if missing := sorted(needed - set(weights)):
+            raise CorruptArtifactError(f"{package}: the weights file lacks {missing[0]!r}, which a prepared "
+                                       f"constant is made from")
+        self._sources = {fqn: weights[fqn] for fqn in needed}
+        self.tensors = {name: prepare(recipe, self._sources) for name, recipe in recipes.items()}
+        self._order = sorted(self._sources)
+        self._sources_in_order = [self._sources[fqn] for fqn in self._order]
+        self._versions = self._read_versions()
+
+    def _read_versions(self) -> list[int] | None:
+        try:
+            return versions(self._sources_in_order)
+        except RuntimeError:  # an inference tensor keeps no version: remade before every call
+            return None
+
+    def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Weights now bound to other tensors (by FQN; others ignored): their constants remade."""
+        changed = {fqn for fqn, tensor in tensors.items() if fqn in self._sources and tensor is not self._sources[fqn]}
+        if changed:
+            self._sources.update({fqn: tensors[fqn] for fqn in changed})
+            self._sources_in_order = [self._sources[fqn] for fqn in self._order]
+            self._remake(changed)
+
+    def refresh(self) -> None:
+        """Remake the constants whose weights were written in place since they were made."""
+        versions = self._read_versions()
+        if versions is not None and versions == self._versions:
+            return
+        changed = set(self._order) if versions is None or self._versions is None else {
+            fqn for fqn, now, then in zip(self._order, versions, self._versions, strict=True) if now != then}
+        self._remake(changed)
+
+    def _remake(self, changed: set[str]) -> None:
+        for name, reads in self._reads.items():
+            if changed.intersection(reads):
+                self.tensors[name].copy_(prepare(self._recipes[name], self._sources))
+        self._versions = self._read_versions()

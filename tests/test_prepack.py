@@ -1,0 +1,146 @@
+"""optimize.prepack: weights prepared for oneDNN at load from the bound weights, compared with the
+eager pipeline given the same weights and calls (cpu-tiny-sdxl-prepack: tiny SDXL, float32, a
+bucket and a dynamic model)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import aotbuild
+from aotbuild.errors import CorruptArtifactError
+from aotbuild.runtime.prepared import PreparedConstants, prepare, resolve, sources
+from aotbuild.targets import ShapeBucket
+
+from .conftest import eager_pipeline, generate, make_lora
+
+BUCKET = ShapeBucket(1, 64, 64)
+DYNAMIC = ShapeBucket(2, 48, 80)
+ATOL = 1e-4  # float32: measured ~2e-6 on [0, 1] images
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory, prepack_target):
+    folder = tmp_path_factory.mktemp("loras")
+    pipe = eager_pipeline(prepack_target)
+    return {"A": make_lora(pipe, folder / "A", seed=1), "B": make_lora(pipe, folder / "B", seed=2, rank=8, alpha=4)}
+
+
+def _ops(recipe) -> set[str]:
+    if isinstance(recipe, list):
+        return set().union(*map(_ops, recipe)) if recipe else set()
+    if not isinstance(recipe, dict):
+        return set()
+    return ({recipe["op"]} if "op" in recipe else set()) | _ops(list(recipe.values()))
+
+
+@pytest.mark.slow
+def test_packed_constants_are_recipes_made_from_stored_weights(built_prepack, prepack_target):
+    manifest = json.loads((built_prepack.folder / "manifest.json").read_text())
+    assert manifest["optimizations"]["passes"]["prepack"] == {"enabled": True}
+    assert manifest["optimizations"]["inductor"]["freezing"] is True
+    for name, component in manifest["components"].items():
+        with safe_open(built_prepack.folder / component["weights"], "pt") as stored:
+            keys = set(stored.keys())
+        assert not any(key.startswith("_frozen_param") for key in keys)  # made at load, never stored
+        for variant in component["variants"]:
+            recipes = variant["prepared"]
+            assert recipes, f"{name} {variant['name']} prepared nothing"
+            assert all(sources(recipe) <= keys for recipe in recipes.values())
+    ops = set().union(*(_ops(v["prepared"]) for c in manifest["components"].values() for v in c["variants"]))
+    assert {"mkldnn._reorder_convolution_weight", "mkldnn._reorder_linear_weight"} <= ops
+
+    compiled, eager = aotbuild.load_pipeline(built_prepack.folder), eager_pipeline(prepack_target)
+    packed = [t for v in compiled.unet.variants for t in v._prepared.tensors.values()]
+    assert packed and any(t.is_mkldnn for t in packed)
+    for bucket in (BUCKET, DYNAMIC):  # the bucket's model, then the dynamic one
+        np.testing.assert_allclose(generate(compiled, bucket), generate(eager, bucket), atol=ATOL, rtol=0)
+    assert compiled.unet.last_variant != compiled.unet.variants[0].name
+
+
+@pytest.mark.slow
+def test_loras_switch_exactly_on_packed_weights(built_prepack, prepack_target, loras):
+    compiled, eager = aotbuild.load_pipeline(built_prepack.folder), eager_pipeline(prepack_target)
+    base = generate(compiled, BUCKET)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(loras["A"], adapter_name="A")
+        pipe.load_lora_weights(loras["B"], adapter_name="B")
+        pipe.set_adapters(["A", "B"], adapter_weights=[0.7, 0.4])
+    both = generate(compiled, BUCKET)
+    assert np.abs(both - base).max() > 0.05  # the LoRAs reach the packed weights
+    np.testing.assert_allclose(both, generate(eager, BUCKET), atol=ATOL, rtol=0)
+    for pipe in (compiled, eager):
+        pipe.set_adapters("A")
+    only_a = generate(compiled, BUCKET)
+    np.testing.assert_allclose(only_a, generate(eager, BUCKET), atol=ATOL, rtol=0)
+    compiled.set_adapters("B")
+    generate(compiled, BUCKET)
+    compiled.set_adapters("A")
+    assert np.array_equal(generate(compiled, BUCKET), only_a)  # A -> B -> A: bit for bit
+    compiled.unload_lora_weights()
+    assert np.array_equal(generate(compiled, BUCKET), base)  # base -> LoRAs -> base: bit for bit
+
+
+@pytest.mark.slow
+def test_other_weights_and_writes_are_prepared_the_same_way(built_prepack, prepack_target, tmp_path):
+    finetuned = eager_pipeline(prepack_target, seed=7)
+    expected = generate(finetuned, BUCKET)
+    finetuned.save_pretrained(tmp_path / "finetune")
+    loaded = aotbuild.load_pipeline(built_prepack.folder, weights=tmp_path / "finetune")
+    np.testing.assert_allclose(generate(loaded, BUCKET), expected, atol=ATOL, rtol=0)
+
+    compiled, mixed = aotbuild.load_pipeline(built_prepack.folder), eager_pipeline(prepack_target)
+    mixed.unet, mixed.vae = finetuned.unet, finetuned.vae
+    compiled.unet.load_state_dict(finetuned.unet.state_dict())  # written into the bound weights in place
+    compiled.vae.load_state_dict(finetuned.vae.state_dict())
+    before = generate(mixed, BUCKET)
+    np.testing.assert_allclose(generate(compiled, BUCKET), before, atol=ATOL, rtol=0)
+
+    with torch.no_grad():  # a parameter handed out, written in place (its version counter moves)
+        for pipe in (compiled, mixed):
+            dict(pipe.unet.named_parameters())["conv_in.weight"].mul_(0.5)
+            dict(pipe.vae.named_parameters())["decoder.conv_out.weight"].mul_(-1.0)
+    written = generate(mixed, BUCKET)
+    assert np.abs(written - before).max() > 0.05
+    np.testing.assert_allclose(generate(compiled, BUCKET), written, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(generate(compiled, DYNAMIC), generate(mixed, DYNAMIC), atol=ATOL, rtol=0)
+
+
+CONV_RECIPE = {"op": "mkldnn._reorder_convolution_weight",
+               "args": [{"op": "aten.clone.default", "args": [{"weight": "conv.weight"}],
+                         "kwargs": {"memory_format": {"memory_format": "channels_last"}}},
+                        [1, 1], [1, 1], [1, 1], 1, [1, 8, 16, 16]]}
+
+
+def test_a_recipe_makes_what_onednn_makes_and_follows_its_weights():
+    weight = torch.randn(16, 8, 3, 3)
+    made = prepare(CONV_RECIPE, {"conv.weight": weight})
+    direct = torch.ops.mkldnn._reorder_convolution_weight(weight.contiguous(memory_format=torch.channels_last),
+                                                          [1, 1], [1, 1], [1, 1], 1, [1, 8, 16, 16])
+    assert made.is_mkldnn and torch.equal(made.to_dense(), direct.to_dense())
+    assert sources(CONV_RECIPE) == {"conv.weight"}
+
+    prepared = PreparedConstants({"_frozen_param0": CONV_RECIPE}, {"conv.weight": weight}, "p.pt2")
+    packed = prepared.tensors["_frozen_param0"]
+    pointer = torch.ops.mkldnn.data_ptr(packed)
+    with torch.no_grad():
+        weight.mul_(2)  # written in place: remade on refresh, in the same memory
+    prepared.refresh()
+    assert torch.equal(packed.to_dense(), weight) and torch.ops.mkldnn.data_ptr(packed) == pointer
+    other = torch.randn(16, 8, 3, 3)
+    prepared.rebind({"conv.weight": other, "elsewhere.weight": torch.zeros(1)})  # bound anew
+    assert torch.equal(packed.to_dense(), other) and torch.ops.mkldnn.data_ptr(packed) == pointer
+
+
+def test_a_recipe_calls_torch_operators_only():
+    for op in ("builtins.eval.default", "os.system", "aten.clone.default.extra"):
+        with pytest.raises(CorruptArtifactError, match=r"not an operator of aten, mkl, mkldnn, prims"):
+            resolve(op)
+    with pytest.raises(CorruptArtifactError, match=r"calls 'aten.no_such_op', which this torch .* lacks"):
+        resolve("aten.no_such_op")
+    with pytest.raises(CorruptArtifactError, match=r"the weights file lacks 'conv.weight'"):
+        PreparedConstants({"_frozen_param0": CONV_RECIPE}, {}, "p.pt2")
