@@ -687,7 +687,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         for v in c["variants"]:
             num = v.get("numerics", {})
             error = f"rel.err {num.get('max_rel_error', float('nan')):.2e} (tol {num.get('tolerance', '?')})"
-            lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}   {_inputs_text(v['inputs'])}")
+            prepared = f"   {len(v['prepared'])} constants prepared at load" if v.get("prepared") else ""
+            lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}{prepared}   {_inputs_text(v['inputs'])}")
         if c.get("mode") == "regional":
             lines += _regions_text(c)
     lines.append("files")

@@ -70,11 +70,10 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 # the session: a build is one Python thread or one g++ at a time, so two cores build two targets.
 # Each list is in the order the tests first need them; `build_once` waits on a target's build
 # lock, then finds it fresh (or builds it itself, if its builder has not reached it yet).
-PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sdxl-prepack", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint",
-              "cpu-tiny-sdxl-regional", "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma",
-              "cpu-tiny-chroma",
+PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
+              "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-qwen-image-edit-plus",
-              "cpu-tiny-flux-kontext"),
+              "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",

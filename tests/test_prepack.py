@@ -9,9 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors import safe_open
 
 import aotbuild
+from aotbuild.cli import main
 from aotbuild.errors import CorruptArtifactError
 from aotbuild.runtime.prepared import PreparedConstants, prepare, resolve, sources
 from aotbuild.targets import ShapeBucket
@@ -53,6 +55,9 @@ def test_packed_constants_are_recipes_made_from_stored_weights(built_prepack, pr
             assert all(sources(recipe) <= keys for recipe in recipes.values())
     ops = set().union(*(_ops(v["prepared"]) for c in manifest["components"].values() for v in c["variants"]))
     assert {"mkldnn._reorder_convolution_weight", "mkldnn._reorder_linear_weight"} <= ops
+    shown = CliRunner().invoke(main, ["inspect", str(built_prepack.folder)], catch_exceptions=False).output
+    count = len(manifest["components"]["unet"]["variants"][0]["prepared"])
+    assert "b1_64x64     64x64 px" in shown and f"{count} constants prepared at load" in shown
 
     compiled, eager = aotbuild.load_pipeline(built_prepack.folder), eager_pipeline(prepack_target)
     packed = [t for v in compiled.unet.variants for t in v._prepared.tensors.values()]
