@@ -63,9 +63,9 @@ class _Group(click.Group):
 @click.version_option(package_name="aotbuild")
 def main(debug: bool) -> None:
     """Build diffusers pipelines into ahead-of-time compiled artifacts, and run them."""
-    from .openmp import use_short_spin
+    from .openmp import use_openmp_settings
 
-    use_short_spin()  # before any command imports torch
+    use_openmp_settings()  # before any command imports torch
 
 
 @main.command()

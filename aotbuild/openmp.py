@@ -14,11 +14,19 @@ processes beside for "shared"):
 
 So 10,000. libgomp reads it once, when torch loads it: it is set in the environment before torch
 is imported, and never where the user set either variable.
+
+How many threads: libgomp starts one per CPU of the process's affinity, which a container's CPU
+limit (a cgroup quota: `docker --cpus 2`, a Kubernetes CPU limit) does not narrow. On a node of 64
+CPUs limited to 2, 64 threads would share 2 CPUs' time, and every barrier would wait on threads the
+quota has paused. So OMP_NUM_THREADS is the quota, rounded up, where it is below the affinity and
+the user set no thread count.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 SPIN_COUNT = "GOMP_SPINCOUNT"
 WAIT_POLICY = "OMP_WAIT_POLICY"
@@ -32,10 +40,62 @@ def spin_env() -> dict[str, str]:
     return given or {SPIN_COUNT: DEFAULT_SPIN_COUNT}
 
 
-def use_short_spin() -> None:
-    """The short spin for this process (if torch is not loaded yet) and its children, unless the
-    user set how OpenMP waits."""
+THREADS = "OMP_NUM_THREADS"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def use_openmp_settings() -> None:
+    """The short spin and a thread count within the CPU quota for this process (if torch is not
+    loaded yet) and its children, where the user set neither."""
     os.environ.update(spin_env())
+    if THREADS not in os.environ and (quota := quota_cpus()) is not None and quota < len(os.sched_getaffinity(0)):
+        os.environ[THREADS] = str(quota)
+
+
+def quota_cpus(root: Path | None = None, membership: str | None = None) -> int | None:
+    """The CPUs this process's cgroup CPU quota allows, rounded up (None: no quota). The tightest
+    quota of its cgroup and every cgroup above it, v2 (`cpu.max`: "200000 100000") or v1
+    (`cpu.cfs_quota_us` / `cpu.cfs_period_us`). `membership`: /proc/self/cgroup's text."""
+    if membership is None:
+        try:
+            membership = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    root = root or CGROUP_ROOT
+    quotas = []
+    for line in membership.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            base, read = root, _v2_quota
+        elif "cpu" in controllers.split(","):
+            base, read = root / controllers, _v1_quota
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        while True:
+            if (quota := read(folder)) is not None:
+                quotas.append(quota)
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return max(1, math.ceil(min(quotas))) if quotas else None
+
+
+def _v2_quota(folder: Path) -> float | None:
+    try:
+        limit, period = (folder / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else int(limit) / int(period)
+
+
+def _v1_quota(folder: Path) -> float | None:
+    try:
+        limit = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit <= 0 else limit / period
 
 
 def spin_setting() -> str:
