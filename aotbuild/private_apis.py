@@ -63,7 +63,10 @@ def borrowed_mkldnn(tensor: torch.Tensor) -> torch.Tensor:
     shim = _c_shim()
     descriptor = torch.ops.mkldnn._get_mkldnn_serialized_md(tensor)
     ndim = tensor.dim()
-    dtype = shim.aoti_torch_dtype_float32() if tensor.dtype == torch.float32 else shim.aoti_torch_dtype_bfloat16()
+    codes = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if tensor.dtype not in codes:
+        raise RuntimeError(f"a {tensor.dtype} oneDNN tensor: only {', '.join(map(str, codes))} are bound by view")
+    dtype = getattr(shim, f"aoti_torch_dtype_{codes[tensor.dtype]}")()
     handle = ctypes.c_void_p()
     error = shim.aoti_torch_create_tensor_from_blob_v2(
         ctypes.c_void_p(mkldnn_memory(tensor)[0]), ctypes.c_int64(ndim), (ctypes.c_int64 * ndim)(*tensor.shape),
@@ -97,7 +100,8 @@ def _c_shim() -> Any:
 
     if not _SHIM:
         shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        for name in ("aoti_torch_dtype_float32", "aoti_torch_dtype_bfloat16", "aoti_torch_device_type_cpu",
+        for name in ("aoti_torch_dtype_float32", "aoti_torch_dtype_bfloat16", "aoti_torch_dtype_float16",
+                     "aoti_torch_device_type_cpu",
                      "aoti_torch_layout__mkldnn", "aoti_torch_create_tensor_from_blob_v2"):
             getattr(shim, name).restype = ctypes.c_int32
         ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object

@@ -149,3 +149,19 @@ def test_a_recipe_calls_torch_operators_only():
         resolve("aten.no_such_op")
     with pytest.raises(CorruptArtifactError, match=r"the weights file lacks 'conv.weight'"):
         PreparedConstants({"_frozen_param0": CONV_RECIPE}, {}, "p.pt2")
+
+
+def test_a_packed_constant_is_bound_through_a_view_that_owns_nothing():
+    from aotbuild.private_apis import borrowed_mkldnn, mkldnn_memory
+    from aotbuild.runtime.weights import Lender
+
+    weight = torch.randn(16, 8, 3, 3)
+    packed = prepare(CONV_RECIPE, {"conv.weight": weight})
+    lender = Lender()
+    view = lender.views({"w": packed})["w"]
+    assert view.is_mkldnn and mkldnn_memory(view) == mkldnn_memory(packed)
+    assert lender.views({"again": packed})["again"] is view  # one view per constant, shared
+    packed.copy_(prepare(CONV_RECIPE, {"conv.weight": -weight}))  # remade in place: the view reads it
+    assert torch.equal(view.to_dense(), -weight)
+    with pytest.raises(RuntimeError, match=r"a torch.uint8 oneDNN tensor: only torch.float32, torch.bfloat16, torch.float16"):
+        borrowed_mkldnn(torch.ones(4, 4, dtype=torch.uint8).to_mkldnn())
