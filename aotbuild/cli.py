@@ -407,6 +407,9 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
                                                   "alone (aot-model), eager, and the peers openvino, openvino-f32, "
                                                   "onnxruntime (pip install 'aotbuild[peers]'); compile on request")
 @click.option("--rounds", type=click.IntRange(1), default=20, show_default=True, help="with --component: timed rounds")
+@click.option("--against", multiple=True, metavar="TARGET",
+              help="with --component: another target of the same pipeline (another recipe of the component), "
+                   "timed as case aot:TARGET beside aot; repeatable")
 @click.option("--busy", type=click.IntRange(0), default=0, show_default=True,
               help="with --component: processes spinning on the CPU beside the timed rounds (replicas sharing cores)")
 @click.option("--cache-threshold", type=click.FloatRange(0, min_open=True), default=CACHE_THRESHOLD, show_default=True,
@@ -417,7 +420,8 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
               help=ARTIFACTS_HELP)
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, quick: bool, serve_bench: bool,
           load: str | None, loras: tuple[str, ...], max_batch: int, port: int, component: str | None, rounds: int,
-          busy: int, cache_threshold: float, plot_path: Path | None, artifacts: Path) -> None:
+          against: tuple[str, ...], busy: int, cache_threshold: float, plot_path: Path | None,
+          artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json after
     each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
     target, most of it torch.compile; --quick is a first look. With --component: one component
@@ -456,12 +460,13 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
         chosen = _listed(cases)
         document = run_component_bench(
             target_name, artifacts, component, rounds=5 if quick and "rounds" not in given else rounds, busy=busy,
-            progress=lambda msg: click.echo(f"[bench] {msg}", err=True), **({"cases": chosen} if chosen else {}))
+            against=against, progress=lambda msg: click.echo(f"[bench] {msg}", err=True),
+            **({"cases": chosen} if chosen else {}))
         click.echo(format_component_table(document))
         click.echo(f"wrote {artifacts / document['meta']['target'] / component_bench_name(component)}")
         return
-    if busy or "rounds" in given:
-        raise AotbuildError("--rounds and --busy go with --component")
+    if busy or against or "rounds" in given:
+        raise AotbuildError("--rounds, --busy and --against go with --component")
     if quick:  # what the user gave explicitly still holds
         repeats = repeats if "repeats" in given else 1
         steps = steps if "steps" in given else 2

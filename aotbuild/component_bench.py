@@ -6,7 +6,9 @@ this one process, round-robin and paired per round, so drift and load fall on al
   `aot-model` is the stand-in's own cost per call (dispatch, flattening, checks, lock);
 - `eager`: the target's recipe uncompiled (its dtype and passes); `compile`: torch.compile of it,
   on request (its first call compiles);
-- the peers (`peers.PEERS`), each converted from the component's float32 model.
+- the peers (`peers.PEERS`), each converted from the component's float32 model;
+- `aot:<target>`, on request (`against`): the stand-in of another build of the same component
+  (another recipe: `optimize.prepack`, channels_last), paired with aot's round by round.
 
 Every runtime gets the call the pipeline makes at the target's first bucket, recorded from the
 float32 pipeline, and its output is compared with that eager float32 output (the build's
@@ -61,12 +63,16 @@ class _Runtime:
 
 def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *,
                         cases: tuple[str, ...] = DEFAULT_COMPONENT_CASES, rounds: int = 20, busy: int = 0,
+                        against: tuple[str, ...] = (),
                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Prepare each case, check its output, time `rounds` rounds; write and return the document
     (`bench-<component>.json` in the artifact). A peer that is not installed is skipped, saying why.
+    `against`: other targets built from the same pipeline (another recipe of the component), each
+    a case `aot:<target>` of its own artifact's stand-in, paired with the rest.
 
     Raises:
-        AotbuildError: an unknown case or component, no artifact, or aot-model without aot.
+        AotbuildError: an unknown case or component, no artifact, aot-model without aot, or a
+            target to compare against that is another pipeline or lacks the component.
     """
     from .backends import built_artifact
     from .bench import write_document
@@ -81,9 +87,17 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         raise AotbuildError(f"unknown case {unknown[0]!r} for --component; known: {', '.join(COMPONENT_CASES)}")
     if "aot-model" in cases and "aot" not in cases:
         raise AotbuildError("case aot-model needs case aot: it calls the model aot's stand-in picks")
+    if against and "aot" not in cases:
+        raise AotbuildError("--against compares other builds with case aot: add it to --cases")
     if component not in target.components:
         raise AotbuildError(f"{target.name} compiles {', '.join(target.components)}; not {component!r}")
+    compared = list(map(load_target, against))
+    for other in compared:
+        if other.pipeline != target.pipeline or component not in other.components or other.name == target.name:
+            raise AotbuildError(f"--against {other.name}: compared with {target.name}'s {component}, it must be "
+                                f"another target of {target.pipeline} that compiles {component}")
     folder = built_artifact(target, artifacts_dir)
+    others = {f"aot:{other.name}": built_artifact(other, artifacts_dir) for other in compared}
     spec = pipeline_spec(target.pipeline).component(component)
     cases = tuple(c for c in COMPONENT_CASES if c in cases)
     skipped = {case: reason for case in cases if case in PEERS and (reason := PEERS[case].missing())}
@@ -95,14 +109,17 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     runtimes: dict[str, _Runtime] = {}
     converted: dict[Callable, tuple[Path, float]] = {}
     with tempfile.TemporaryDirectory(prefix="aotbuild-peers-") as work, torch.no_grad():
+        order = []  # (name, case, artifact): the other builds' stand-ins right after aot's
         for case in (c for c in cases if c not in skipped):
-            say(f"preparing {case}")
-            runtimes[case] = _prepare(case, target, spec, folder, reference, call, runtimes, converted, Path(work))
+            order += [(case, case, folder)] + ([(n, "aot", f) for n, f in others.items()] if case == "aot" else [])
+        for name, case, artifact in order:
+            say(f"preparing {name}")
+            runtimes[name] = _prepare(case, target, spec, artifact, reference, call, runtimes, converted, Path(work))
             start = time.perf_counter()
-            output = runtimes[case].call()
-            runtimes[case].figures["first_call_s"] = time.perf_counter() - start
+            output = runtimes[name].call()
+            runtimes[name].figures["first_call_s"] = time.perf_counter() - start
             error, relative = output_error(output, call.output)
-            runtimes[case].figures |= {"max_abs_error": error, "max_rel_error": relative}
+            runtimes[name].figures |= {"max_abs_error": error, "max_rel_error": relative}
         say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
         with _spinning(busy):
             times = _rounds(runtimes, rounds)
@@ -112,7 +129,8 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             "call_s": statistics.median(seconds), "values": seconds,
             "ratio_to_aot": statistics.median(s / a for s, a in zip(seconds, times[base], strict=True))}
     meta = {"target": target.name, "component": component, "shape": str(target.shapes[0]), "rounds": rounds,
-            "busy": busy, "cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+            "busy": busy, "against": list(others), "cpus": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(),
             "openmp_wait": spin_setting(),
             "ratio_base": base, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if "aot-model" in times:
@@ -256,14 +274,15 @@ def format_component_table(document: dict[str, Any]) -> str:
         return f"{'-' if value is None else format(value, spec):>{width}}"
 
     meta = document["meta"]
+    name = max(14, *(len(case) + 2 for case in document["runtimes"]))
     lines = [f"{meta['target']} {meta['component']} at {meta['shape']}: {meta['rounds']} rounds, "
              f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside, OpenMP threads wait: "
              f"{meta.get('openmp_wait', 'not recorded')}",
-             f"{'runtime':<14}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'rel.err':>10}{'prepare s':>11}"
+             f"{'runtime':<{name}}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'rel.err':>10}{'prepare s':>11}"
              f"{'convert s':>11}{'disk MiB':>10}  chose"]
     for case, f in document["runtimes"].items():
         chose = ", ".join(f"{k} {f[k]}" for k in ("precision", "threads", "variant") if k in f)
-        lines.append(f"{case:<14}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
+        lines.append(f"{case:<{name}}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
                      f"{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('prepare_s'), 11, '.2f')}"
                      f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}  {chose}")
     if "stand_in_us" in meta:

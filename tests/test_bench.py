@@ -244,6 +244,11 @@ def test_component_bench_refuses_what_it_cannot_time(tmp_path):
     result = bench("--component", "unet", "--steps", "3")
     assert result.exit_code == 1 and "--component takes --rounds" in result.output
     result = bench("--busy", "2")
-    assert result.exit_code == 1 and "--rounds and --busy go with --component" in result.output
+    assert result.exit_code == 1 and "--rounds, --busy and --against go with --component" in result.output
+    result = bench("--component", "unet", "--against", str(TARGETS / "cpu-tiny-sd15.toml"))
+    assert result.exit_code == 1 and ("--against cpu-tiny-sd15: compared with cpu-tiny-sdxl's unet, it must be "
+                                      "another target of StableDiffusionXLPipeline that compiles unet") in result.output
+    result = bench("--component", "unet", "--cases", "eager", "--against", str(TARGETS / "cpu-tiny-sdxl-int8.toml"))
+    assert result.exit_code == 1 and "--against compares other builds with case aot" in result.output
     missing = Peer("nothing", "aotbuild_no_such_runtime", None, None, "").missing()
     assert missing == "aotbuild_no_such_runtime is not installed (pip install 'aotbuild[peers]')"

@@ -18,7 +18,7 @@ from aotbuild.errors import CorruptArtifactError
 from aotbuild.runtime.prepared import PreparedConstants, prepare, resolve, sources
 from aotbuild.targets import ShapeBucket
 
-from .conftest import eager_pipeline, generate, make_lora
+from .conftest import TARGETS, eager_pipeline, generate, make_lora
 
 BUCKET = ShapeBucket(1, 64, 64)
 DYNAMIC = ShapeBucket(2, 48, 80)
@@ -163,5 +163,26 @@ def test_a_packed_constant_is_bound_through_a_view_that_owns_nothing():
     assert lender.views({"again": packed})["again"] is view  # one view per constant, shared
     packed.copy_(prepare(CONV_RECIPE, {"conv.weight": -weight}))  # remade in place: the view reads it
     assert torch.equal(view.to_dense(), -weight)
-    with pytest.raises(RuntimeError, match=r"a torch.uint8 oneDNN tensor: only torch.float32, torch.bfloat16, torch.float16"):
+    with pytest.raises(RuntimeError, match=r"a torch.uint8 oneDNN tensor: only torch.float32, torch.bfloat16"):
         borrowed_mkldnn(torch.ones(4, 4, dtype=torch.uint8).to_mkldnn())
+
+
+@pytest.mark.slow
+def test_the_component_bench_pairs_the_prepacked_build_with_the_plain_one(built_prepack, built, tmp_path):
+    """`bench --component unet --against cpu-tiny-sdxl`: both builds' stand-ins in one process,
+    round by round, each checked against eager float32 (how docs/bench.md's 0.99x was measured)."""
+    import shutil
+
+    for folder in (built_prepack.folder, built.folder):
+        shutil.copytree(folder, tmp_path / folder.name)
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl-prepack.toml"),
+                                       "--artifacts", str(tmp_path), "--component", "unet", "--rounds", "3",
+                                       "--cases", "aot,aot-model", "--against", str(TARGETS / "cpu-tiny-sdxl.toml")],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / built_prepack.folder.name / "bench-unet.json").read_text())
+    assert list(document["runtimes"]) == ["aot", "aot:cpu-tiny-sdxl", "aot-model"]
+    assert document["meta"]["against"] == ["aot:cpu-tiny-sdxl"]
+    for figures in document["runtimes"].values():
+        assert figures["max_rel_error"] < 1e-4 and len(figures["values"]) == 3 and figures["ratio_to_aot"] > 0
+    assert "aot:cpu-tiny-sdxl" in result.output
