@@ -137,8 +137,24 @@ def test_a_recipe_makes_what_onednn_makes_and_follows_its_weights():
     prepared.refresh()
     assert torch.equal(packed.to_dense(), weight) and torch.ops.mkldnn.data_ptr(packed) == pointer
     other = torch.randn(16, 8, 3, 3)
-    prepared.rebind({"conv.weight": other, "elsewhere.weight": torch.zeros(1)})  # bound anew
+    assert prepared.rebind({"conv.weight": other, "elsewhere.weight": torch.zeros(1)}) == {}  # remade in place
     assert torch.equal(packed.to_dense(), other) and torch.ops.mkldnn.data_ptr(packed) == pointer
+
+
+def test_a_prepared_view_of_a_weight_is_made_anew_never_written_through():
+    """Freezing also folds reshapes of biases: a view of the weight. Remade in place, it would
+    write the new weight's values into the old weight's memory (a LoRA's base, a user's tensor)."""
+    recipe = {"op": "aten.reshape.default", "args": [{"weight": "norm.bias"}, [1, 4]]}
+    old = torch.arange(4.0)
+    prepared = PreparedConstants({"_frozen_param1": recipe}, {"norm.bias": old}, "p.pt2")
+    new = torch.ones(4)
+    anew = prepared.rebind({"norm.bias": new})
+    assert torch.equal(old, torch.arange(4.0))  # untouched
+    assert list(anew) == ["_frozen_param1"] and anew["_frozen_param1"].data_ptr() == new.data_ptr()
+    with torch.no_grad():
+        new.mul_(3)  # written in place: seen through the view, made anew all the same
+    assert torch.equal(prepared.refresh()["_frozen_param1"], torch.full((1, 4), 3.0))
+    assert prepared.refresh() == {}  # nothing written since
 
 
 def test_a_recipe_calls_torch_operators_only():

@@ -73,9 +73,11 @@ def _value(node: Any, weights: dict[str, torch.Tensor]) -> Any:
 
 
 class PreparedConstants:
-    """One variant's prepared constants, each made once from the weights it reads and remade in
-    place (the compiled model keeps its pointer) when they change: `rebind` for weights bound
-    anew, `refresh` before each call for weights written in place (their version counters)."""
+    """One variant's prepared constants, each made once from the weights it reads and made again
+    when they change: `rebind` for weights bound anew, `refresh` before each call for weights
+    written in place (their version counters). A oneDNN-packed constant is remade in place (the
+    compiled model keeps its pointer); any other (a reshape, a layout copy) may be a view of its
+    weight, so it is made anew and returned, for the caller to bind instead."""
 
     def __init__(self, recipes: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor], package: Any) -> None:
         self._recipes = recipes
@@ -96,25 +98,34 @@ class PreparedConstants:
         except RuntimeError:  # an inference tensor keeps no version: remade before every call
             return None
 
-    def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Weights now bound to other tensors (by FQN; others ignored): their constants remade."""
+    def rebind(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weights now bound to other tensors (by FQN; others ignored): their constants remade.
+        Returns the ones to bind anew."""
         changed = {fqn for fqn, tensor in tensors.items() if fqn in self._sources and tensor is not self._sources[fqn]}
-        if changed:
-            self._sources.update({fqn: tensors[fqn] for fqn in changed})
-            self._sources_in_order = [self._sources[fqn] for fqn in self._order]
-            self._remake(changed)
+        if not changed:
+            return {}
+        self._sources.update({fqn: tensors[fqn] for fqn in changed})
+        self._sources_in_order = [self._sources[fqn] for fqn in self._order]
+        return self._remake(changed)
 
-    def refresh(self) -> None:
-        """Remake the constants whose weights were written in place since they were made."""
-        versions = self._read_versions()
-        if versions is not None and versions == self._versions:
-            return
-        changed = set(self._order) if versions is None or self._versions is None else {
-            fqn for fqn, now, then in zip(self._order, versions, self._versions, strict=True) if now != then}
-        self._remake(changed)
+    def refresh(self) -> dict[str, torch.Tensor]:
+        """Remake the constants whose weights were written in place since they were made. Returns
+        the ones to bind anew."""
+        versions_now = self._read_versions()
+        if versions_now is not None and versions_now == self._versions:
+            return {}
+        changed = set(self._order) if versions_now is None or self._versions is None else {
+            fqn for fqn, now, then in zip(self._order, versions_now, self._versions, strict=True) if now != then}
+        return self._remake(changed)
 
-    def _remake(self, changed: set[str]) -> None:
+    def _remake(self, changed: set[str]) -> dict[str, torch.Tensor]:
+        anew = {}
         for name, reads in self._reads.items():
             if changed.intersection(reads):
-                self.tensors[name].copy_(prepare(self._recipes[name], self._sources))
+                made = prepare(self._recipes[name], self._sources)
+                if made.is_mkldnn:
+                    self.tensors[name].copy_(made)
+                else:
+                    self.tensors[name] = anew[name] = made
         self._versions = self._read_versions()
+        return anew

@@ -196,15 +196,18 @@ class CompiledVariant:
         next call reads them, and the tensors bound before are no longer kept alive for it. A
         captured CUDA graph recorded the old pointers: captured again."""
         mine = {fqn: tensor for fqn, tensor in tensors.items() if fqn in self._fqns}
-        if self._prepared is not None:
-            with self._lock:  # remade in place: the model keeps their pointers
-                self._prepared.rebind(tensors)
-        if mine:
-            with self._lock:
-                self._model.load_constants(self._context.lender.views(mine), False, False, True)
-                self._bound.update(mine)
-                for graph in self.cuda_graphs.values():
-                    graph.reset()
+        with self._lock:
+            if self._prepared is not None:  # the constants made from these weights, made again
+                mine |= self._prepared.rebind(tensors)
+            if mine:
+                self._bind(mine)
+
+    def _bind(self, mine: dict[str, torch.Tensor]) -> None:
+        """Bind these constants by pointer (the caller holds the lock)."""
+        self._model.load_constants(self._context.lender.views(mine), False, False, True)
+        self._bound.update(mine)
+        for graph in self.cuda_graphs.values():
+            graph.reset()
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]] | None:
         """The call's leaves in this model's order, or None when its structure differs."""
@@ -272,8 +275,8 @@ class CompiledVariant:
                 return self._run_unlocked(leaves)
 
     def _run_unlocked(self, leaves: list[tuple[str, Any]]) -> Any:
-        if self._prepared is not None:  # weights written in place since the last call (a LoRA merge)
-            self._prepared.refresh()
+        if self._prepared is not None and (remade := self._prepared.refresh()):  # weights written in place
+            self._bind(remade)
         if self.graph_pool is not None:
             tensors = [self._converted(path, leaf, expected) for (path, leaf), expected
                        in zip(leaves, self.inputs, strict=True) if isinstance(leaf, torch.Tensor)]
