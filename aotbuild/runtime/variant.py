@@ -144,6 +144,8 @@ class CompiledVariant:
     A static variant of a load with a graph pool replays as a CUDA graph (`CudaGraph`).
     """
 
+    _prepared: PreparedConstants | None = None  # optimize.prepack's constants (a region's variant: none)
+
     def __init__(self, package: Path, entry: dict[str, Any], weights: dict[str, torch.Tensor], sha256: str,
                  layouts: dict[str, dict] | None, context: LoadContext) -> None:
         self._init_signature(entry, context)
@@ -152,8 +154,8 @@ class CompiledVariant:
         self.constant_fqns = list(self._model.get_constant_fqns())
         self._fqns = set(self.constant_fqns)
         recipes = entry.get("prepared", {})
-        # Constants made from the weights at load (optimize.prepack), remade when those change.
-        self._prepared = PreparedConstants(recipes, weights, package) if recipes else None
+        if recipes:  # constants made from the weights at load (optimize.prepack), remade when those change
+            self._prepared = PreparedConstants(recipes, weights, package)
         # The tensors bound now, kept alive here for as long as the model may read them.
         self._bound = {fqn: self._prepared.tensors[fqn] if fqn in recipes else
                        bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
