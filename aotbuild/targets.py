@@ -361,6 +361,10 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         raise TargetError(f"{origin}: key 'inductor.profile' is {inductor['profile']!r}; "
                           f"allowed: {', '.join(PROFILES)}")
     check_inductor_keys({k: v for k, v in inductor.items() if k != "profile"}, TargetError, origin)
+    if optimize.get("prepack") and {**PROFILES[inductor.get("profile", "default")], **inductor}.get("max_autotune"):
+        raise TargetError(f"{origin}: optimize.prepack does not combine with [inductor] max_autotune: its CPU GEMM "
+                          f"templates pack weights into constants aotbuild cannot make again from other weights",
+                          hint="choose one of them")
 
     cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
     if cuda_graphs and device != "cuda":

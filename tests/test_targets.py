@@ -135,6 +135,8 @@ BAD = [
     (GOOD + '[optimize]\nprepack = true\n[compile]\nmode = "regional"\n',
      r"'compile.mode' = \"regional\" does not combine with optimize.prepack"),
     (GOOD + "[inductor]\nfreezing = true\n", r"\[inductor\] key 'freezing' is set by aotbuild"),
+    (GOOD + '[optimize]\nprepack = true\n[inductor]\nprofile = "max-autotune"\n',
+     r"optimize.prepack does not combine with \[inductor\] max_autotune"),
     (GOOD.replace('source = "random:tiny-sdxl"', 'source = "random:nothing"'),
      r"key 'source': random source 'random:nothing': no config set at .*nothing"),
     (GOOD + "[[shapes]]\nbatch = 1\nheight = 64\nwidth = 64\n", r"'shapes\[1\]' repeats bucket 1x64x64"),

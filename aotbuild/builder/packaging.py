@@ -383,6 +383,13 @@ def write_package(out: Path, name: str, compiled: dict[str, list], programs: dic
         recipes.clear()
         recipes.update(made)
         binds[model] = sorted((set(binds[model]) - set(made)).union(*map(prepared_sources, made.values())))
+        known = {fqn for program in programs.values() for fqn in (*program.state_dict, *program.constants)}
+        if unrecorded := [fqn for fqn in binds[model] if fqn not in known]:
+            raise BuildError(f"{name} {model}: the frozen model binds {unrecorded[0]!r}, a constant inductor made "
+                             f"from the weights in a way aotbuild did not record, so it could not be made from other "
+                             f"weights at load", hint="build without optimize.prepack, or without the [inductor] "
+                                                      "options that pack weights themselves (max_autotune's CPU GEMM "
+                                                      "templates)")
     if regional is None:
         constants = export.constants_of(list(programs.values()), {fqn for names in binds.values() for fqn in names})
     else:
