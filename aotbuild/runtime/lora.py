@@ -242,7 +242,11 @@ class LoraState:
     def _buffer(self, fqn: str) -> torch.Tensor:
         if fqn not in self._buffers:
             base = self._base[fqn]
-            self._buffers[fqn] = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=base.device)
+            # Not an inference tensor, even when made in a call under torch.inference_mode(): its
+            # version counter tells a prepacked artifact that a merge rewrote it (runtime.prepared).
+            with torch.inference_mode(False):
+                self._buffers[fqn] = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype,
+                                                         device=base.device)
         return self._buffers[fqn]
 
     def _merge(self, fqn: str, by_rows: dict[tuple[int, int], list[Update]]) -> dict[str, torch.Tensor]:

@@ -92,11 +92,11 @@ class PreparedConstants:
         self._sources_in_order = [self._sources[fqn] for fqn in self._order]
         self._versions = self._read_versions()
 
-    def _read_versions(self) -> list[int] | None:
+    def _read_versions(self) -> list[Any]:
         try:
             return versions(self._sources_in_order)
-        except RuntimeError:  # an inference tensor keeps no version: remade before every call
-            return None
+        except RuntimeError:  # an inference tensor keeps no version: taken as written at every look
+            return [object() if tensor.is_inference() else versions([tensor])[0] for tensor in self._sources_in_order]
 
     def rebind(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Weights now bound to other tensors (by FQN; others ignored): their constants remade.
@@ -112,11 +112,10 @@ class PreparedConstants:
         """Remake the constants whose weights were written in place since they were made. Returns
         the ones to bind anew."""
         versions_now = self._read_versions()
-        if versions_now is not None and versions_now == self._versions:
+        if versions_now == self._versions:
             return {}
-        changed = set(self._order) if versions_now is None or self._versions is None else {
-            fqn for fqn, now, then in zip(self._order, versions_now, self._versions, strict=True) if now != then}
-        return self._remake(changed)
+        return self._remake({fqn for fqn, now, then in zip(self._order, versions_now, self._versions, strict=True)
+                             if now != then})
 
     def _remake(self, changed: set[str]) -> dict[str, torch.Tensor]:
         anew = {}
