@@ -9,6 +9,7 @@ it): torch's compiler modules are imported by the functions that need them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,22 +93,17 @@ def versions(tensors: list[torch.Tensor]) -> list[int]:
     return [tensor._version for tensor in tensors]
 
 
-_SHIM: list[Any] = []
-
-
+@functools.cache
 def _c_shim() -> Any:
     import ctypes
 
-    if not _SHIM:
-        shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        for name in ("aoti_torch_dtype_float32", "aoti_torch_dtype_bfloat16", "aoti_torch_dtype_float16",
-                     "aoti_torch_device_type_cpu",
-                     "aoti_torch_layout__mkldnn", "aoti_torch_create_tensor_from_blob_v2"):
-            getattr(shim, name).restype = ctypes.c_int32
-        ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
-        ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        _SHIM.append(shim)
-    return _SHIM[0]
+    shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    for name in ("aoti_torch_dtype_float32", "aoti_torch_dtype_bfloat16", "aoti_torch_dtype_float16",
+                 "aoti_torch_device_type_cpu", "aoti_torch_layout__mkldnn", "aoti_torch_create_tensor_from_blob_v2"):
+        getattr(shim, name).restype = ctypes.c_int32
+    ctypes.pythonapi.PyCapsule_New.restype = ctypes.py_object
+    ctypes.pythonapi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return shim
 
 
 def inductor_config() -> Any:

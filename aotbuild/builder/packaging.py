@@ -378,12 +378,12 @@ def write_package(out: Path, name: str, compiled: dict[str, list], programs: dic
     sha256 = sha256_file(out / package_file)
     binds = {model: list(open_model(out / package_file, sha256, model, device).get_constant_fqns())
              for model in compiled}
+    known = {fqn for program in programs.values() for fqn in (*program.state_dict, *program.constants)}
     for model, recipes in (folded or {}).items():
         made = {name: recipes[name] for name in binds[model] if name in recipes}
         recipes.clear()
         recipes.update(made)
         binds[model] = sorted((set(binds[model]) - set(made)).union(*map(prepared_sources, made.values())))
-        known = {fqn for program in programs.values() for fqn in (*program.state_dict, *program.constants)}
         if unrecorded := [fqn for fqn in binds[model] if fqn not in known]:
             raise BuildError(f"{name} {model}: the frozen model binds {unrecorded[0]!r}, a constant inductor made "
                              f"from the weights in a way aotbuild did not record, so it could not be made from other "
