@@ -5,9 +5,10 @@ The parent (`run_bench`) spawns `python -m aotbuild.bench --case ...` workers; e
 from its own spawn (the parent's clock just before starting it) to pipeline ready, first denoising
 step and first image, then steady per-step and per-image latency, and peak memory.
 
-Random weights (`random:` sources) are work a real source does not do, and the cases would not do
-it alike (eager and compile initialise the compiled models too, aot only the others): the time
-spent creating them is kept out of every timed window and reported alone (`random_init_s`).
+A `random:` target's pipeline is saved once per run (its seeded weights, as safetensors), and every
+case loads what it does not take from its artifact from that folder, read cold: eager reads the
+weights aot reads, as with a real checkpoint, and no case spends time creating random weights (work
+a real source does not do, which eager would do more of than aot). `random_init_s` stays reported.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ FIGURES = {
     "load_s": "pipeline load (after imports)",
     "weights_read_s": "reading the artifact's weight bytes alone, page cache dropped (aot)",
     "load_over_floor": "load_s / weights_read_s (aot)",
-    "random_init_s": "creating random weights (random: sources), kept out of the timed figures",
+    "random_init_s": "creating random weights, kept out of the timed figures (random: sources are saved and read)",
     "weights_mib": "bytes of the weights the pipeline needs",
     "load_rss_mib": "RSS added by loading the pipeline",
     "peak_rss_mib": "peak RSS",
@@ -90,6 +91,7 @@ FIGURES = {
     "cache_threshold": "the First-Block Cache threshold used (aot-cache)",
 }
 BENCH_NAME = "bench.json"
+SAVED_SOURCE = "source"  # a random: target's pipeline, saved in the run's work folder
 # A bench process that runs longer than this is stopped: a hang fails the bench instead of stalling it.
 WORKER_TIMEOUT_S = 3600
 BUILD_TIMEOUT_S = 3 * 3600
@@ -174,6 +176,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     """
     from .backends import built_artifact
     from .manifest import environment
+    from .sources import is_random
     from .targets import load_target
 
     target = load_target(target_path)
@@ -219,10 +222,16 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     folder = built_artifact(documented, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     meta = {"target": documented.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
-            "openmp_wait": spin_setting(), "skipped": skipped,
+            "openmp_wait": spin_setting(), "skipped": skipped, "source": target.source,
             "shape": str(target.shapes[0]), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     started, seconds = time.perf_counter(), {case: 0.0 for case in cases}  # each case's worker time so far
     with tempfile.TemporaryDirectory(prefix="aotbuild-bench-") as work:
+        source_dir = None
+        if is_random(target.source):
+            if progress:
+                progress(f"saving {target.source} (seed {target.seed}): every case reads these weights from disk")
+            source_dir = Path(work) / SAVED_SOURCE
+            meta["source"] = f"{target.source} (seed {target.seed}), saved: {_save_source(target_path, source_dir)}"
         converted: dict[str, float] = {}  # a peer's saved conversion (OpenVINO's serves both precisions)
         for case in (c for c in cases if c in PEERS):
             folder_name = _peer_folder(case)
@@ -238,7 +247,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
                     progress(f"repetition {rep + 1}/{repeats}: {case}{_eta(started, seconds, rep, case, repeats)}")
                 start = time.perf_counter()
                 figures = _run_worker(case, target_path, artifacts_dir, steps, steady, mega_cache, Path(work),
-                                      cache_threshold)
+                                      cache_threshold, source_dir)
                 seconds[case] += time.perf_counter() - start
                 runs[case].append({**figures, "build_s": builds.get(case)})
             # Each repetition ends written: an interrupted bench keeps what it measured.
@@ -314,10 +323,13 @@ def regional_target(target: Any) -> Any:
                             base_dir=target.base_dir)
 
 
-def _case_target(case: str, target_path: str) -> Any:
-    from .targets import load_target
+def _case_target(case: str, target_path: str, source_dir: str | None = None) -> Any:
+    """The target a case runs; `source_dir`: a folder its pipeline was saved to, read instead of its source."""
+    from .targets import Target, load_target
 
     target = load_target(target_path)
+    if source_dir is not None:
+        target = Target.from_dict({**target.to_dict(), "source": str(source_dir)}, base_dir=target.base_dir)
     # A step cache runs in Python around compiled blocks: on a whole-model target, its regional sibling.
     regional = case == REGIONAL_CASE or (case == CACHE_CASE and target.compile_mode != "regional")
     return regional_target(target) if regional else target
@@ -345,6 +357,17 @@ def _run_child(cmd: list[str], env: dict[str, str], timeout: float, what: str) -
         raise BenchError(f"{what} failed (exit {result.returncode}):\n{tail}")
 
 
+def _save_source(target_path: str, folder: Path) -> str:
+    """Save the target's source pipeline (a `random:` one: its seeded weights) into `folder`, in a
+    fresh process; says how much it wrote and how long it took."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "aotbuild.bench", "--case", "eager", "--save-source", str(folder),
+           "--target", target_path, "--artifacts", str(folder)]
+    _run_child(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, BUILD_TIMEOUT_S, "saving the source pipeline")
+    mib = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+    return f"{mib:.1f} MiB in {time.perf_counter() - start:.1f} s"
+
+
 def _peer_folder(case: str) -> str:
     """The work folder of a peer case's conversion: one per converter (OpenVINO's two precisions load one)."""
     return f"peer-{PEERS[case].convert.__name__.strip('_')}"
@@ -360,16 +383,19 @@ def _run_convert(case: str, target_path: str, artifacts_dir: Path, folder: Path)
 
 
 def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, steady: int,
-                mega_cache: Path, work: Path, cache_threshold: float = CACHE_THRESHOLD) -> dict[str, Any]:
+                mega_cache: Path, work: Path, cache_threshold: float = CACHE_THRESHOLD,
+                source_dir: Path | None = None) -> dict[str, Any]:
     out = work / f"{case}-{time.monotonic_ns()}.json"
     # Each process gets an empty inductor cache: `compile` pays its real cold cost, and
-    # `compile-cached` starts from the mega-cache alone. Artifacts (a peer's saved model) are read
-    # from a cold page cache.
+    # `compile-cached` starts from the mega-cache alone. Artifacts (a peer's saved model) and the
+    # saved source are read from a cold page cache.
     artifact = artifacts_dir / _case_target(case, target_path).name
     if case.startswith("aot"):
         drop_page_cache([p for p in artifact.rglob("*") if p.is_file()])
     if case in PEERS:
         drop_page_cache([p for p in (work / _peer_folder(case)).rglob("*") if p.is_file()])
+    if source_dir is not None:
+        drop_page_cache([p for p in source_dir.rglob("*") if p.is_file()])
     cache_dir = tempfile.mkdtemp(prefix="inductor-", dir=work)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "aotbuild.bench", "--case", case, "--target", str(target_path),
@@ -378,6 +404,8 @@ def _run_worker(case: str, target_path: str, artifacts_dir: Path, steps: int, st
            "--cache-threshold", repr(cache_threshold)]
     if case in PEERS:
         cmd += ["--peer-dir", str(work / _peer_folder(case))]
+    if source_dir is not None:
+        cmd += ["--source-dir", str(source_dir)]
     _run_child(cmd, env, WORKER_TIMEOUT_S, f"bench case {case}")
     if not out.is_file():
         raise BenchError(f"bench case {case} ended without writing its results")
@@ -410,14 +438,14 @@ def _weights_mib(pipe: Any) -> float:
     components' bound weights."""
     import torch
 
-    total = 0
+    tensors: dict[tuple, torch.Tensor] = {}  # a stand-in's parameters are its bound weights: each counted once
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
-            tensors = list(component.parameters()) + list(component.buffers())
+            found = [*component.parameters(), *component.buffers()]
             for module in component.modules():  # the VAE stand-in holds its compiled parts as submodules
-                tensors += list(module.__dict__.get("_weights", {}).values())
-            total += sum(t.numel() * t.element_size() for t in tensors)
-    return total / 2**20
+                found += list(module.__dict__.get("_weights", {}).values())
+            tensors.update({(t.data_ptr(), t.numel(), t.dtype): t for t in found})
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
 
 
 def rss_mib() -> float:
@@ -442,7 +470,7 @@ def _worker(args: argparse.Namespace) -> None:
     def since_spawn() -> float:
         return time.time() - args.spawn_time - random_init_seconds()
 
-    target = _case_target(args.case, args.target)
+    target = _case_target(args.case, args.target, args.source_dir)
     bucket = target.shapes[0]
     if args.case == "compile-cached":
         torch.compiler.load_cache_artifacts(Path(args.mega_cache).read_bytes())
@@ -513,6 +541,18 @@ def _worker(args: argparse.Namespace) -> None:
         figures["weights_read_s"] = _cold_read_s(sorted(artifact.glob("*.safetensors")))
         figures["load_over_floor"] = load_s / figures["weights_read_s"]
     Path(args.out).write_text(json.dumps(figures))
+
+
+def _save_pipeline(target_path: str, folder: Path) -> None:
+    import torch
+
+    from .builder.capturing import load_source_pipeline
+    from .pipelines import pipeline_spec
+    from .targets import load_target
+
+    target = load_target(target_path)
+    pipe = load_source_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
+    pipe.save_pretrained(folder, safe_serialization=True)
 
 
 def _denoiser_spec(target: Any) -> Any:
@@ -740,7 +780,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-threshold", type=float, default=CACHE_THRESHOLD)
     parser.add_argument("--convert", action="store_true", help="a peer case: convert the denoiser and exit")
     parser.add_argument("--peer-dir", help="a peer case: its saved conversion")
+    parser.add_argument("--source-dir", help="a folder the target's pipeline was saved to: read instead of its source")
+    parser.add_argument("--save-source", help="save the target's source pipeline into this folder and exit")
     args = parser.parse_args(argv)
+    if args.save_source:
+        _save_pipeline(args.target, Path(args.save_source))
+        return
     if args.convert:
         _convert(args)
         return

@@ -101,6 +101,18 @@ def check_inductor_keys(options: dict[str, Any], error: type[AotbuildError], ori
                         f"(checked at load), CUDA host code for a portable baseline")
 
 
+def cpu_gemm_templates(options: dict[str, Any]) -> bool:
+    """Whether these [inductor] options (profile expanded) let inductor's CPU GEMM templates run:
+    they pack each weight at compile time into a constant of the compiled code, made by Python
+    no graph records, so other weights (`weights=`, a LoRA, `load_state_dict`) could not reach it."""
+    config = inductor_config()
+    tuned = options.get("max_autotune", config.max_autotune) or options.get("max_autotune_gemm",
+                                                                            config.max_autotune_gemm)
+    backends = str(options.get("max_autotune_gemm_backends", config.max_autotune_gemm_backends)).upper()
+    return bool(tuned) and "CPP" in backends.split(",") and \
+        bool(options.get("cpp.weight_prepack", config.cpp.weight_prepack))
+
+
 def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None, *,
                      multi_arch: bool = False, device: str = "cpu") -> dict[str, Any]:
     """The full per-compile option dict: profile, then the passes' flags, then the target's explicit

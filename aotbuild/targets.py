@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .errors import SourceError, TargetError
-from .export import PROFILES, check_inductor_keys, supports_multi_arch
+from .export import PROFILES, check_inductor_keys, cpu_gemm_templates, supports_multi_arch
 from .manifest import DTYPES as DTYPE_BY_NAME
 from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
 
@@ -361,10 +361,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         raise TargetError(f"{origin}: key 'inductor.profile' is {inductor['profile']!r}; "
                           f"allowed: {', '.join(PROFILES)}")
     check_inductor_keys({k: v for k, v in inductor.items() if k != "profile"}, TargetError, origin)
-    if optimize.get("prepack") and {**PROFILES[inductor.get("profile", "default")], **inductor}.get("max_autotune"):
-        raise TargetError(f"{origin}: optimize.prepack does not combine with [inductor] max_autotune: its CPU GEMM "
-                          f"templates pack weights into constants aotbuild cannot make again from other weights",
-                          hint="choose one of them")
+    if device == "cpu" and cpu_gemm_templates({**PROFILES[inductor.get("profile", "default")], **inductor}):
+        raise TargetError(f"{origin}: [inductor] max_autotune on a CPU target: inductor's CPU GEMM templates pack "
+                          f"the weights into constants of the compiled code, which other weights (weights=, LoRAs, "
+                          f"load_state_dict) could not reach",
+                          hint='leave max_autotune (and profile = "max-autotune") to CUDA targets, or set '
+                               'max_autotune_gemm_backends = "ATEN"')
 
     cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
     if cuda_graphs and device != "cuda":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 
@@ -107,6 +108,9 @@ def test_short_real_bench_has_every_case_and_figure(tmp_path_factory, tmp_path):
         assert run["first_step_s"] >= run["ready_s"]
     assert document["runs"]["aot"][0]["artifact_mib"] > 0 and document["ratio_to_aot"]["aot"]["first_step_s"] == 1
     assert document["environment"]["torch"] and document["meta"]["shape"] == "1x32x64/9frames/text16"
+    # Its random weights were saved once and every case read them from disk: none made any.
+    assert re.fullmatch(r"random:tiny-ltx \(seed 0\), saved: [\d.]+ MiB in [\d.]+ s", document["meta"]["source"])
+    assert all(document["runs"][case][0]["random_init_s"] == 0 for case in CASES)
     assert "ratio to aot" in result.output and plot.stat().st_size > 10_000
 
 
@@ -213,8 +217,11 @@ def test_component_bench_runs_every_runtime_on_the_pipelines_own_call(built, tmp
     runtimes = document["runtimes"]
     assert list(runtimes) == ["aot", "aot-model", "eager", "openvino", "openvino-f32", "onnxruntime"]
     assert document["skipped"] == {} and document["meta"]["shape"] == "1x64x64" and document["meta"]["rounds"] == 3
+    # OpenVINO's own precision is bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere: it says which.
+    bf16 = {"openvino"} if runtimes["openvino"]["precision"] == "bf16" else set()
     for case, figures in runtimes.items():
-        assert figures["max_rel_error"] < (1e-6 if case == "eager" else 1e-4), case  # float32: rounding alone
+        bound = 1e-6 if case == "eager" else 5e-2 if case in bf16 else 1e-4  # float32: rounding alone
+        assert figures["max_rel_error"] < bound, case
         assert len(figures["values"]) == 3 and figures["call_s"] > 0 and figures["ratio_to_aot"] > 0
         assert figures["first_call_s"] > 0
     assert runtimes["aot"]["ratio_to_aot"] == 1 and runtimes["aot-model"]["variant"] == "b1_64x64"

@@ -162,6 +162,23 @@ def test_no_process_extracts_into_the_temporary_folder(built, private_cache, tmp
     assert len(list((private_cache / "packages").iterdir())) == 3  # unet, vae_decoder, vae_encoder: once each
 
 
+def test_loading_imports_no_pipeline_the_user_did_not_and_from_pipe_still_keeps_the_default(built):
+    """diffusers' Auto pipelines import every pipeline it has (0.7 s, measured: an artifact started
+    slower than eager diffusers): they are patched when the user imports them, not at load."""
+    script = """if True:
+        import sys, aotbuild
+        pipe = aotbuild.load_pipeline(sys.argv[1])
+        assert "diffusers.pipelines.auto_pipeline" not in sys.modules
+        pipe.default_sample_size = 4  # as a served default other than the config's is kept
+        from diffusers import AutoPipelineForText2Image
+        made = AutoPipelineForText2Image.from_pipe(pipe)
+        print(made.default_sample_size, pipe.unet.config.sample_size)
+    """
+    result = subprocess.run([sys.executable, "-c", script, str(built.folder)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["4", "32"]
+
+
 def test_artifact_of_a_local_source_records_no_path_and_asks_for_it(artifact_copy, tiny_target, tmp_path):
     """An artifact built from a local folder names it only; loading it elsewhere takes `source=`."""
     from aotbuild.sources import recorded_source

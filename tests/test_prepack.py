@@ -155,12 +155,23 @@ def test_a_prepared_view_of_a_weight_is_made_anew_never_written_through():
     assert torch.equal(old, torch.arange(4.0))  # untouched
     assert list(anew) == ["_frozen_param1"] and anew["_frozen_param1"].data_ptr() == new.data_ptr()
     with torch.no_grad():
-        new.mul_(3)  # written in place: seen through the view, made anew all the same
-    assert torch.equal(prepared.refresh()["_frozen_param1"], torch.full((1, 4), 3.0))
+        new.mul_(3)  # written in place: seen through the view, which needs no remaking
+    assert prepared.refresh() == {} and torch.equal(anew["_frozen_param1"], torch.full((1, 4), 3.0))
+    with torch.inference_mode():
+        inference = torch.zeros(4)  # keeps no version counter: a view of it needs none either
+    prepared.rebind({"norm.bias": inference})
+    assert prepared.refresh() == {}
+
+    strided = torch.arange(4.0).reshape(2, 2).t()  # reshaped, a copy: watched, made again when written
+    made = prepared.rebind({"norm.bias": strided})["_frozen_param1"]
+    assert made.untyped_storage().data_ptr() != strided.untyped_storage().data_ptr()
+    with torch.no_grad():
+        strided.add_(1)
+    assert torch.equal(prepared.refresh()["_frozen_param1"], torch.tensor([[1.0, 3.0, 2.0, 4.0]]))
     assert prepared.refresh() == {}  # nothing written since
     with torch.inference_mode():
-        inference = torch.zeros(4)  # keeps no version counter: made again at every look
-    prepared.rebind({"norm.bias": inference})
+        strided = torch.arange(4.0).reshape(2, 2).t()  # no version counter, a copy: made again at every look
+    prepared.rebind({"norm.bias": strided})
     assert list(prepared.refresh()) == list(prepared.refresh()) == ["_frozen_param1"]
 
 

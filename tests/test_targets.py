@@ -136,7 +136,8 @@ BAD = [
      r"'compile.mode' = \"regional\" does not combine with optimize.prepack"),
     (GOOD + "[inductor]\nfreezing = true\n", r"\[inductor\] key 'freezing' is set by aotbuild"),
     (GOOD + '[optimize]\nprepack = true\n[inductor]\nprofile = "max-autotune"\n',
-     r"optimize.prepack does not combine with \[inductor\] max_autotune"),
+     r"\[inductor\] max_autotune on a CPU target: inductor's CPU GEMM templates pack the weights"),
+    (GOOD + "[inductor]\nmax_autotune_gemm = true\n", r"max_autotune on a CPU target"),
     (GOOD.replace('source = "random:tiny-sdxl"', 'source = "random:nothing"'),
      r"key 'source': random source 'random:nothing': no config set at .*nothing"),
     (GOOD + "[[shapes]]\nbatch = 1\nheight = 64\nwidth = 64\n", r"'shapes\[1\]' repeats bucket 1x64x64"),
@@ -211,6 +212,12 @@ def test_bad_target_is_target_error(tmp_path, text, message):
     with pytest.raises(TargetError, match=message) as info:
         load_target(path)
     assert str(path) in str(info.value)
+
+
+def test_max_autotune_without_cpu_gemm_templates_is_a_cpu_target(tmp_path):
+    """The refusal above is of the CPU GEMM templates, not of the flag: ATen's GEMMs bind weights."""
+    text = GOOD + '[inductor]\nmax_autotune = true\nmax_autotune_gemm_backends = "ATEN"\n'
+    assert load_target(write_target(tmp_path, text)).inductor["max_autotune"] is True
 
 
 def test_cli_reports_target_error_in_one_line(tmp_path):

@@ -385,11 +385,10 @@ def write_package(out: Path, name: str, compiled: dict[str, list], programs: dic
         recipes.update(made)
         binds[model] = sorted((set(binds[model]) - set(made)).union(*map(prepared_sources, made.values())))
         if unrecorded := [fqn for fqn in binds[model] if fqn not in known]:
-            raise BuildError(f"{name} {model}: the frozen model binds {unrecorded[0]!r}, a constant inductor made "
+            raise BuildError(f"{name} {model}: the compiled model binds {unrecorded[0]!r}, a constant inductor made "
                              f"from the weights in a way aotbuild did not record, so it could not be made from other "
-                             f"weights at load", hint="build without optimize.prepack, or without the [inductor] "
-                                                      "options that pack weights themselves (max_autotune's CPU GEMM "
-                                                      "templates)")
+                             f"weights at load", hint="build without the [inductor] options that pack weights "
+                                                      "themselves, or without optimize.prepack")
     if regional is None:
         constants = export.constants_of(list(programs.values()), {fqn for names in binds.values() for fqn in names})
     else:

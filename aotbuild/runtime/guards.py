@@ -9,6 +9,10 @@ eager diffusers model, or raises an `UnsupportedCallError` naming the way that w
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -202,8 +206,42 @@ def install_pipeline_guards() -> None:
 
     to.checks_compiled = True
     DiffusionPipeline.to, DiffusionPipeline.save_pretrained = to, save_pretrained
-    import diffusers
 
-    for cls in (DiffusionPipeline, diffusers.AutoPipelineForText2Image, diffusers.AutoPipelineForImage2Image,
-                diffusers.AutoPipelineForInpainting):
-        cls.from_pipe = classmethod(keeping_default_size(cls.__dict__["from_pipe"].__func__))
+    def keep_default_size(*classes: type) -> None:
+        for cls in classes:
+            cls.from_pipe = classmethod(keeping_default_size(cls.__dict__["from_pipe"].__func__))
+
+    keep_default_size(DiffusionPipeline)
+    # The Auto classes make their pipeline without DiffusionPipeline.from_pipe. Their module imports
+    # every pipeline diffusers has (0.7 s: an artifact would start slower than eager diffusers), so
+    # they are patched when a user imports them, or now if one has.
+    when_imported(AUTO_PIPELINES, lambda auto: keep_default_size(
+        auto.AutoPipelineForText2Image, auto.AutoPipelineForImage2Image, auto.AutoPipelineForInpainting))
+
+
+AUTO_PIPELINES = "diffusers.pipelines.auto_pipeline"
+
+
+def when_imported(name: str, patch: Callable[[types.ModuleType], None]) -> None:
+    """Call `patch(module)` once module `name` is imported: now if it is, else right after its code
+    runs, whoever imports it."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)  # found by the finders after this one
+            run = spec.loader.exec_module
+
+            def exec_module(module: types.ModuleType) -> None:
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, PatchOnImport())
