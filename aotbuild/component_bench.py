@@ -3,8 +3,8 @@ this one process, round-robin and paired per round, so drift and load fall on al
 
 - `aot`: the artifact's compiled component through its stand-in, called as the pipeline calls it;
 - `aot-model`: the compiled model the stand-in picked, alone, on inputs prepared once (the
-  stand-in's own cost per call, dispatch, flattening, checks, lock, is timed inside aot's calls
-  made back to back after the rounds: each call less the time in its compiled model);
+  stand-in's own cost per call, dispatch, flattening, checks, lock, is timed after the rounds by
+  calling it with the model's run taken out);
 - `eager`: the target's recipe uncompiled (its dtype and passes); `compile`: torch.compile of it,
   on request (its first call compiles);
 - the peers (`peers.PEERS`), each converted from the component's float32 model;
@@ -48,9 +48,8 @@ COMPONENT_FIGURES = {
     "disk_mib": "bytes of what the runtime loads: the artifact's package and weights, or the peer's saved model",
     "max_abs_error": "largest absolute difference from eager float32 on the recorded call",
     "max_rel_error": "max_abs_error / the largest absolute value of eager float32's output",
-    "stand_in_us": "aot stand-ins: a call less the time inside its compiled model (dispatch, flattening, checks, "
-                   "prepared weights' versions, lock), microseconds, the median of calls made back to back after "
-                   "the rounds (caches as the model leaves them, no idle pause before)",
+    "stand_in_us": "aot stand-ins: a call with its compiled model's run taken out (dispatch, flattening, checks, "
+                   "prepared weights' versions, lock), microseconds, the median of 200 after the rounds",
 }
 
 
@@ -63,35 +62,44 @@ class _Runtime:
     call: Callable[[], Any]
     figures: dict[str, Any]
     stand_in: Any = None  # aot's: aot-model calls the model it picks
-    own_s: list[float] | None = None  # aot's: each call's time outside its compiled model
+    own_s: Callable[[], float] | None = None  # aot's: its own time per call, in seconds
 
 
-def _clocked_stand_in(stand_in: Any, args: tuple, kwargs: dict) -> tuple[Callable[[], Any], list[float]]:
-    """A call of the stand-in that also records its own time: the call less the time inside the
-    compiled model's runner. Timed within each call, it is exact where the difference of two
-    runtimes' medians (milliseconds of noise on a 20 ms call) is not."""
-    inside = [0.0]
-    own: list[float] = []
+class _StandInClock:
+    """The stand-in's own time per call (dispatch, flattening, checks, a prepacked artifact's
+    version check, the lock): its call with the compiled model's run taken out, the outputs of a
+    real run handed back instead. A real call cannot time it: right after a model's run the first
+    Python to execute finds its code and objects evicted (measured on cpu-sdxl-mid-bf16: 0.2-0.5 ms
+    for a loop that takes 12 us 0.3 ms later), and the difference of two runtimes' medians is noise
+    (milliseconds on a 20 ms call)."""
 
-    def timed(run: Callable[[list], Any]) -> Callable[[list], Any]:
-        def run_timed(tensors: list) -> Any:
-            start = time.perf_counter()
-            try:
-                return run(tensors)
-            finally:
-                inside[0] += time.perf_counter() - start
-        return run_timed
+    CALLS = 200
 
-    for variant in stand_in.variants:
-        variant._run = timed(variant._run)  # the runner each call ends in (`CompiledVariant._run_direct`)
+    def __init__(self, stand_in: Any, call: Callable[[], Any]) -> None:
+        self._call, self._outputs, self._replay = call, {}, False
+        for variant in stand_in.variants:
+            variant._run = self._run_or_replay(variant.name, variant._run)  # what `_run_direct` ends in
 
-    def call() -> Any:
-        inside[0] = 0.0
-        start = time.perf_counter()
-        output = stand_in(*args, **kwargs)
-        own.append(time.perf_counter() - start - inside[0])
-        return output
-    return call, own
+    def _run_or_replay(self, name: str, run: Callable[[list], list]) -> Callable[[list], list]:
+        def run_or_replay(tensors: list) -> list:
+            if self._replay:
+                return list(self._outputs[name])
+            outputs = self._outputs[name] = run(tensors)
+            return outputs
+        return run_or_replay
+
+    def seconds(self) -> float:
+        """Median seconds of the stand-in's call without the model's run."""
+        self._call()
+        self._replay, times = True, []
+        try:
+            for _ in range(self.CALLS):
+                start = time.perf_counter()
+                self._call()
+                times.append(time.perf_counter() - start)
+        finally:
+            self._replay = False
+        return statistics.median(times)
 
 
 def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *,
@@ -156,7 +164,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
         with _spinning(busy):
             times = _rounds(runtimes, rounds)
-            own_us = {name: _own_time(r) * 1e6 for name, r in runtimes.items() if r.own_s is not None}
+            own_us = {name: r.own_s() * 1e6 for name, r in runtimes.items() if r.own_s is not None}
     base = "aot" if "aot" in times else next(iter(times))
     for case, seconds in times.items():
         runtimes[case].figures |= {
@@ -214,8 +222,9 @@ def _prepare(case: str, target: Any, spec: Any, folder: Path, reference: torch.n
 
         if read_manifest(folder)["components"][spec.name].get("mode") == "regional":  # its model is its blocks
             return _Runtime(lambda: stand_in(*args, **kwargs), figures, stand_in)
-        clocked, own = _clocked_stand_in(stand_in, args, kwargs)
-        return _Runtime(clocked, figures, stand_in, own)
+        def call_stand_in() -> Any:
+            return stand_in(*args, **kwargs)
+        return _Runtime(call_stand_in, figures, stand_in, _StandInClock(stand_in, call_stand_in).seconds)
     if case == "aot-model":
         stand_in = ready["aot"].stand_in
         args, kwargs = _in_dtype(call, getattr(torch, target.dtype))
@@ -296,21 +305,6 @@ def _rounds(runtimes: dict[str, _Runtime], rounds: int) -> dict[str, list[float]
     return times
 
 
-# Calls of a stand-in made back to back, after the rounds, to time its own cost: a timed round's
-# call follows an idle pause (SETTLE_S), after which the first Python to run pays for cold caches
-# and a waking core (measured on tiny SDXL: 1.35 ms before the model starts, 0.2 ms back to back).
-BACK_TO_BACK = 10
-
-
-def _own_time(runtime: _Runtime) -> float:
-    """Median seconds a stand-in's call spends outside its compiled model, calls back to back."""
-    runtime.call()
-    runtime.own_s.clear()
-    for _ in range(BACK_TO_BACK):
-        runtime.call()
-    return statistics.median(runtime.own_s)
-
-
 @contextlib.contextmanager
 def _spinning(count: int) -> Iterator[None]:
     """`count` processes spinning on the CPU for the duration of the block."""
@@ -340,7 +334,7 @@ def format_component_table(document: dict[str, Any]) -> str:
         lines.append(f"{case:<{name}}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
                      f"{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('prepare_s'), 11, '.2f')}"
                      f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}  {chose}")
-    lines += [f"{case}: the stand-in's own cost per call (the call outside its compiled model): "
+    lines += [f"{case}: the stand-in's own cost per call (the model's run taken out): "
               f"{f['stand_in_us']:.0f} us" for case, f in document["runtimes"].items() if "stand_in_us" in f]
     lines += [f"{case}: skipped, {reason}" for case, reason in document["skipped"].items()]
     return "\n".join(lines)

@@ -73,7 +73,7 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-qwen-image-edit-plus",
-              "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack"),
+              "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack", "cpu-tiny-sdxl-bf16-prepack"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",
@@ -213,6 +213,19 @@ def prepack_target():
 def built_prepack(tmp_path_factory, prepack_target):
     """cpu-tiny-sdxl-prepack (oneDNN's packed weights made at load) built once."""
     return build_once(tmp_path_factory, prepack_target)
+
+
+@pytest.fixture(scope="session")
+def bf16_prepack_target():
+    from aotbuild.targets import load_target
+
+    return load_target(TARGETS / "cpu-tiny-sdxl-bf16-prepack.toml")
+
+
+@pytest.fixture(scope="session")
+def built_bf16_prepack(tmp_path_factory, bf16_prepack_target):
+    """cpu-tiny-sdxl-bf16-prepack (the AMX recipe: bf16, packed, channels_last) built once."""
+    return build_once(tmp_path_factory, bf16_prepack_target)
 
 
 @pytest.fixture

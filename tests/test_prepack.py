@@ -5,6 +5,7 @@ bucket and a dynamic model)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import aotbuild
+from aotbuild.backends import prepare as prepare_backend
 from aotbuild.cli import main
 from aotbuild.errors import CorruptArtifactError
 from aotbuild.runtime.prepared import PreparedConstants, prepare, resolve, sources
@@ -23,6 +25,7 @@ from .conftest import TARGETS, eager_pipeline, generate, make_lora
 BUCKET = ShapeBucket(1, 64, 64)
 DYNAMIC = ShapeBucket(2, 48, 80)
 ATOL = 1e-4  # float32: measured ~2e-6 on [0, 1] images
+BF16_ATOL = 0.05  # bfloat16 against the same recipe run eager: measured 0.020 (0.014 against eager float32)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +90,35 @@ def test_loras_switch_exactly_on_packed_weights(built_prepack, prepack_target, l
     compiled.set_adapters("B")
     with torch.inference_mode():  # merged in inference mode: the packing sees it all the same
         generate(compiled, BUCKET)
+    compiled.set_adapters("A")
+    assert np.array_equal(generate(compiled, BUCKET), only_a)  # A -> B -> A: bit for bit
+    compiled.unload_lora_weights()
+    assert np.array_equal(generate(compiled, BUCKET), base)  # base -> LoRAs -> base: bit for bit
+
+
+@pytest.mark.slow
+def test_the_bf16_recipe_matches_its_eager_recipe_and_switches_loras_exactly(built_bf16_prepack, bf16_prepack_target,
+                                                                             loras):
+    """The CPU recipe for AMX: bf16 weights packed for oneDNN at load, channels_last. Compared with
+    the same recipe run eager (bf16, channels_last), and LoRAs through the packing."""
+    compiled = aotbuild.load_pipeline(built_bf16_prepack.folder)
+    eager = prepare_backend(bf16_prepack_target, "eager", Path())
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # a CPU computing bf16 in oneDNN: its packed layout
+        assert any(t.is_mkldnn and t.dtype == torch.bfloat16
+                   for v in compiled.unet.variants for t in v._prepared.tensors.values())
+    base = generate(compiled, BUCKET)
+    np.testing.assert_allclose(base, generate(eager, BUCKET), atol=BF16_ATOL, rtol=0)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(loras["A"], adapter_name="A")
+        pipe.load_lora_weights(loras["B"], adapter_name="B")
+        pipe.set_adapters(["A", "B"], adapter_weights=[0.7, 0.4])
+    both = generate(compiled, BUCKET)
+    assert np.abs(both - base).max() > 0.05  # the LoRAs reach the packed weights
+    np.testing.assert_allclose(both, generate(eager, BUCKET), atol=BF16_ATOL, rtol=0)
+    compiled.set_adapters("A")
+    only_a = generate(compiled, BUCKET)
+    compiled.set_adapters("B")
+    generate(compiled, BUCKET)
     compiled.set_adapters("A")
     assert np.array_equal(generate(compiled, BUCKET), only_a)  # A -> B -> A: bit for bit
     compiled.unload_lora_weights()
