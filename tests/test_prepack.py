@@ -4,6 +4,7 @@ bucket and a dynamic model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -99,10 +100,13 @@ def test_loras_switch_exactly_on_packed_weights(built_prepack, prepack_target, l
 @pytest.mark.slow
 def test_the_bf16_recipe_matches_its_eager_recipe_and_switches_loras_exactly(built_bf16_prepack, bf16_prepack_target,
                                                                              loras):
-    """The CPU recipe for AMX: bf16 weights packed for oneDNN at load, channels_last. Compared with
-    the same recipe run eager (bf16, channels_last), and LoRAs through the packing."""
+    """The CPU recipe for AMX: bf16 weights packed for oneDNN at load, channels_last, fused QKV.
+    Compared with the same recipe run eager without the fusion (diffusers' fused attention ignores
+    LoRA layers on q, k and v; aotbuild merges them into the fused weight), and LoRAs through the
+    packing."""
     compiled = aotbuild.load_pipeline(built_bf16_prepack.folder)
-    eager = prepare_backend(bf16_prepack_target, "eager", Path())
+    unfused = {k: v for k, v in bf16_prepack_target.optimize.items() if k != "fuse_qkv"}
+    eager = prepare_backend(dataclasses.replace(bf16_prepack_target, optimize=unfused), "eager", Path())
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # a CPU computing bf16 in oneDNN: its packed layout
         assert any(t.is_mkldnn and t.dtype == torch.bfloat16
                    for v in compiled.unet.variants for t in v._prepared.tensors.values())
