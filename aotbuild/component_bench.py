@@ -62,7 +62,7 @@ class _Runtime:
     call: Callable[[], Any]
     figures: dict[str, Any]
     stand_in: Any = None  # aot's: aot-model calls the model it picks
-    own_s: Callable[[], float] | None = None  # aot's: its own time per call, in seconds
+    measure_own_s: Callable[[], float] | None = None  # aot's: measures its own time per call, in seconds
 
 
 class _StandInClock:
@@ -164,7 +164,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
         with _spinning(busy):
             times = _rounds(runtimes, rounds)
-            own_us = {name: r.own_s() * 1e6 for name, r in runtimes.items() if r.own_s is not None}
+            own_us = {name: r.measure_own_s() * 1e6 for name, r in runtimes.items() if r.measure_own_s}
     base = "aot" if "aot" in times else next(iter(times))
     for case, seconds in times.items():
         runtimes[case].figures |= {
@@ -215,15 +215,16 @@ def _prepare(case: str, target: Any, spec: Any, folder: Path, reference: torch.n
     conversions so far, by converter, with the seconds each took)."""
     start = time.perf_counter()
     if case == "aot":
-        stand_in, disk = _stand_in(folder, spec.name)
+        stand_in, entry = _stand_in(folder, spec.name)
         args, kwargs = _in_dtype(call, getattr(torch, target.dtype))
+        disk = sum((folder / entry[f]).stat().st_size for f in ("package", "weights"))
         figures = {"prepare_s": time.perf_counter() - start, "disk_mib": disk / 2**20}
-        from .manifest import read_manifest
 
-        if read_manifest(folder)["components"][spec.name].get("mode") == "regional":  # its model is its blocks
-            return _Runtime(lambda: stand_in(*args, **kwargs), figures, stand_in)
         def call_stand_in() -> Any:
             return stand_in(*args, **kwargs)
+
+        if entry.get("mode") == "regional":  # its model is its blocks, run by the code between them
+            return _Runtime(call_stand_in, figures, stand_in)
         return _Runtime(call_stand_in, figures, stand_in, _StandInClock(stand_in, call_stand_in).seconds)
     if case == "aot-model":
         stand_in = ready["aot"].stand_in
@@ -252,17 +253,16 @@ def _prepare(case: str, target: Any, spec: Any, folder: Path, reference: torch.n
         "disk_mib": sum(p.stat().st_size for p in saved.iterdir()) / 2**20, **chose})
 
 
-def _stand_in(folder: Path, component: str) -> tuple[Any, int]:
+def _stand_in(folder: Path, component: str) -> tuple[Any, dict[str, Any]]:
     """The artifact's stand-in for `component` (for a VAE part, the part), loaded as the runtime
-    loads it, and the bytes of its package and weights."""
+    loads it, and its manifest entry."""
     from .runtime import CompiledComponent
     from .runtime.load import load_components
 
     manifest, modules = load_components(folder)
     stand_in = next(m for module in modules.values() for m in module.modules()
                     if isinstance(m, CompiledComponent) and m.component_name == component)
-    entry = manifest["components"][component]
-    return stand_in, sum((folder / entry[f]).stat().st_size for f in ("package", "weights"))
+    return stand_in, manifest["components"][component]
 
 
 def _recipe(target: Any, spec: Any, reference: torch.nn.Module, call: Any) -> tuple[torch.nn.Module, tuple, dict]:

@@ -4,6 +4,7 @@ bucket and a dynamic model)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -34,6 +35,24 @@ def loras(tmp_path_factory, prepack_target):
     folder = tmp_path_factory.mktemp("loras")
     pipe = eager_pipeline(prepack_target)
     return {"A": make_lora(pipe, folder / "A", seed=1), "B": make_lora(pipe, folder / "B", seed=2, rank=8, alpha=4)}
+
+
+def _load_a_and_b(pipes, loras) -> None:
+    for pipe in pipes:
+        pipe.load_lora_weights(loras["A"], adapter_name="A")
+        pipe.load_lora_weights(loras["B"], adapter_name="B")
+        pipe.set_adapters(["A", "B"], adapter_weights=[0.7, 0.4])
+
+
+def _switches_back_exactly(compiled, only_a, base, while_b=contextlib.nullcontext) -> None:
+    """A -> B -> A gives A's image (`only_a`), and unloading the LoRAs the base image, bit for bit."""
+    compiled.set_adapters("B")
+    with while_b():
+        generate(compiled, BUCKET)
+    compiled.set_adapters("A")
+    assert np.array_equal(generate(compiled, BUCKET), only_a)
+    compiled.unload_lora_weights()
+    assert np.array_equal(generate(compiled, BUCKET), base)
 
 
 def _ops(recipe) -> set[str]:
@@ -75,10 +94,7 @@ def test_packed_constants_are_recipes_made_from_stored_weights(built_prepack, pr
 def test_loras_switch_exactly_on_packed_weights(built_prepack, prepack_target, loras):
     compiled, eager = aotbuild.load_pipeline(built_prepack.folder), eager_pipeline(prepack_target)
     base = generate(compiled, BUCKET)
-    for pipe in (compiled, eager):
-        pipe.load_lora_weights(loras["A"], adapter_name="A")
-        pipe.load_lora_weights(loras["B"], adapter_name="B")
-        pipe.set_adapters(["A", "B"], adapter_weights=[0.7, 0.4])
+    _load_a_and_b((compiled, eager), loras)
     with torch.inference_mode():  # the first merge, into buffers made in inference mode
         both = generate(compiled, BUCKET)
     assert not any(buffer.is_inference() for buffer in compiled.unet._lora._buffers.values())
@@ -88,13 +104,8 @@ def test_loras_switch_exactly_on_packed_weights(built_prepack, prepack_target, l
         pipe.set_adapters("A")
     only_a = generate(compiled, BUCKET)
     np.testing.assert_allclose(only_a, generate(eager, BUCKET), atol=ATOL, rtol=0)
-    compiled.set_adapters("B")
-    with torch.inference_mode():  # merged in inference mode: the packing sees it all the same
-        generate(compiled, BUCKET)
-    compiled.set_adapters("A")
-    assert np.array_equal(generate(compiled, BUCKET), only_a)  # A -> B -> A: bit for bit
-    compiled.unload_lora_weights()
-    assert np.array_equal(generate(compiled, BUCKET), base)  # base -> LoRAs -> base: bit for bit
+    # B merged in inference mode: the packing sees it all the same
+    _switches_back_exactly(compiled, only_a, base, while_b=torch.inference_mode)
 
 
 @pytest.mark.slow
@@ -112,21 +123,12 @@ def test_the_bf16_recipe_matches_its_eager_recipe_and_switches_loras_exactly(bui
                    for v in compiled.unet.variants for t in v._prepared.tensors.values())
     base = generate(compiled, BUCKET)
     np.testing.assert_allclose(base, generate(eager, BUCKET), atol=BF16_ATOL, rtol=0)
-    for pipe in (compiled, eager):
-        pipe.load_lora_weights(loras["A"], adapter_name="A")
-        pipe.load_lora_weights(loras["B"], adapter_name="B")
-        pipe.set_adapters(["A", "B"], adapter_weights=[0.7, 0.4])
+    _load_a_and_b((compiled, eager), loras)
     both = generate(compiled, BUCKET)
     assert np.abs(both - base).max() > 0.05  # the LoRAs reach the packed weights
     np.testing.assert_allclose(both, generate(eager, BUCKET), atol=BF16_ATOL, rtol=0)
     compiled.set_adapters("A")
-    only_a = generate(compiled, BUCKET)
-    compiled.set_adapters("B")
-    generate(compiled, BUCKET)
-    compiled.set_adapters("A")
-    assert np.array_equal(generate(compiled, BUCKET), only_a)  # A -> B -> A: bit for bit
-    compiled.unload_lora_weights()
-    assert np.array_equal(generate(compiled, BUCKET), base)  # base -> LoRAs -> base: bit for bit
+    _switches_back_exactly(compiled, generate(compiled, BUCKET), base)
 
 
 @pytest.mark.slow
