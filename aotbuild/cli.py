@@ -75,7 +75,9 @@ def targets(targets_dir: Path | None) -> None:
     from .pipelines import TEXT
     from .targets import images_text, list_targets
 
-    for t in list_targets(targets_dir):
+    targets = list_targets(targets_dir)
+    width = max((len(t.name) for t in targets), default=0)
+    for t in targets:
         shapes = ",".join(str(s) for s in t.shapes)
         if t.dynamic:
             shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
@@ -86,7 +88,7 @@ def targets(targets_dir: Path | None) -> None:
                    + ["regional"] * (t.compile_mode == "regional"))
         runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")
         components = ",".join(c + "[tiling]" * (c in t.tiling) for c in t.components)
-        click.echo(f"{t.name:<22} {t.device:<5} {t.dtype:<9} {t.pipeline:<32} shapes={shapes} "
+        click.echo(f"{t.name:<{width}} {t.device:<5} {t.dtype:<9} {t.pipeline:<32} shapes={shapes} "
                    f"components={components}" + (f" {' '.join(runtime)}" if runtime else ""))
 
 

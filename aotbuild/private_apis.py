@@ -29,9 +29,9 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "IncompatibleKeys", "accept_compiled_class", "aot_compile", "aoti_runner", "block_registry", "borrowed_mkldnn",
-    "cuda_compiler", "fake_tensor_mode", "inductor_config", "package_aoti", "python_printer", "pytree",
-    "mkldnn_memory", "ray_started_head", "recording_folds", "serve_http_port", "shape_env", "storage_at",
-    "unwrap_tensor_subclasses", "versions",
+    "cuda_compiler", "fake_tensor_mode", "inductor_config", "mkldnn_memory", "onednn_convolutions", "package_aoti",
+    "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds", "serve_http_port",
+    "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
 ]
 
 
@@ -154,6 +154,48 @@ def recording_folds(describe: Callable[[torch.fx.Node], Any]) -> Iterator[dict[s
         yield folds
     finally:
         constant_folding.replace_node_with_constant = freezing.replace_node_with_constant = original
+
+
+@contextlib.contextmanager
+def rewriting_before_folds(rewrite: Callable[[torch.fx.GraphModule], None]) -> Iterator[None]:
+    """torch._inductor.freezing.constant_fold (also what torch._inductor.fx_passes.freezing_patterns
+    imports from it at each call), wrapped for the block: `rewrite(graph_module)` runs before each
+    constant fold of freezing, the last of which follows inductor's oneDNN weight packing. Without
+    it: a freezing graph cannot be given a weight preparation inductor does not make (packed
+    convolution weights at dynamic input sizes: `export.pack_dynamic_convolutions`)."""
+    from torch._inductor import freezing
+
+    original = freezing.constant_fold
+
+    def constant_fold(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> None:
+        rewrite(gm)
+        original(gm, *args, **kwargs)
+
+    freezing.constant_fold = constant_fold
+    try:
+        yield
+    finally:
+        freezing.constant_fold = original
+
+
+def onednn_convolutions() -> tuple[dict[Any, tuple[int, int]], Any]:
+    """torch.ops.mkldnn's `_convolution_pointwise` (.default, .binary) and `_convolution_pointwise_`
+    (.binary): the convolutions inductor's freezing makes on CPU, each with where its input and its
+    weight are in the call; and `_reorder_convolution_weight(weight, padding, stride, dilation,
+    groups, input_size)`, the packing freezing gives their weights at static sizes. Without it: no
+    packed convolution weights for a model of dynamic sizes (`export.pack_dynamic_convolutions`)."""
+    mkldnn = torch.ops.mkldnn
+    return ({mkldnn._convolution_pointwise.default: (0, 1), mkldnn._convolution_pointwise.binary: (0, 2),
+             mkldnn._convolution_pointwise_.binary: (1, 2)}, mkldnn._reorder_convolution_weight)
+
+
+def size_hints(shape: Any) -> list[int]:
+    """torch.fx.experimental.symbolic_shapes.optimization_hint of each size: the value a symbolic
+    size had in the example the program was traced with (plain ints as they are). Without it: no
+    concrete size to prepare a weight for in a dynamic-shape graph."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return [int(optimization_hint(s)) if isinstance(s, torch.SymInt) else int(s) for s in shape]
 
 
 def package_aoti(path: Path, compiled: dict[str, list]) -> None:

@@ -83,11 +83,28 @@ def test_packed_constants_are_recipes_made_from_stored_weights(built_prepack, pr
     assert "b1_64x64     64x64 px" in shown and f"{count} constants prepared at load" in shown
 
     compiled, eager = aotbuild.load_pipeline(built_prepack.folder), eager_pipeline(prepack_target)
+    # Every convolution's weight is packed in every model, the dynamic-size ones too (the bucket's
+    # batch moves with guidance): inductor packs only at static sizes, aotbuild at the export size.
+    for name, component in manifest["components"].items():
+        with safe_open(built_prepack.folder / component["weights"], "pt") as stored:
+            keys = set(stored.keys())
+        convolutions = {f"{n}.weight" for n, m in getattr(eager, component["attribute"]).named_modules()
+                        if isinstance(m, torch.nn.Conv2d)} & keys
+        for variant in component["variants"]:
+            packed = set().union(*(sources(r) for r in variant["prepared"].values()
+                                   if "mkldnn._reorder_convolution_weight" in _ops(r)))
+            assert convolutions and convolutions <= packed, f"{name} {variant['name']}: {convolutions - packed} plain"
     packed = [t for v in compiled.unet.variants for t in v._prepared.tensors.values()]
     assert packed and any(t.is_mkldnn for t in packed)
     for bucket in (BUCKET, DYNAMIC):  # the bucket's model, then the dynamic one
         np.testing.assert_allclose(generate(compiled, bucket), generate(eager, bucket), atol=ATOL, rtol=0)
     assert compiled.unet.last_variant != compiled.unet.variants[0].name
+    # Without guidance the bucket's UNet sees half the batch it was packed for.
+    unguided = [pipe("a red fox in the snow", num_inference_steps=2, height=BUCKET.height, width=BUCKET.width,
+                     guidance_scale=1.0, output_type="np", generator=torch.Generator("cpu").manual_seed(0)).images
+                for pipe in (compiled, eager)]
+    assert compiled.unet.last_variant == compiled.unet.variants[0].name
+    np.testing.assert_allclose(*unguided, atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow
