@@ -242,13 +242,13 @@ def pack_dynamic_convolutions(gm: torch.fx.GraphModule) -> None:
             continue
         at_input, at_weight = ops[node.target]
         inputs, weight = node.args[at_input], node.args[at_weight]
-        size = inputs.meta.get("val").shape if isinstance(inputs, torch.fx.Node) and "val" in inputs.meta else None
+        size = getattr(inputs.meta.get("val"), "shape", None) if isinstance(inputs, torch.fx.Node) else None
         if weight.op != "get_attr" or size is None or all(isinstance(s, int) for s in size) or size[1] == 1:
             continue
-        value = gm
+        tensor = gm
         for part in weight.target.split("."):
-            value = getattr(value, part)
-        if value.is_mkldnn or value.dim() not in (4, 5):
+            tensor = getattr(tensor, part)
+        if tensor.is_mkldnn or tensor.dim() not in (4, 5):
             continue
         padding, stride, dilation, groups = node.args[at_weight + 2:at_weight + 6]
         with gm.graph.inserting_before(node):

@@ -91,9 +91,10 @@ def test_packed_constants_are_recipes_made_from_stored_weights(built_prepack, pr
         convolutions = {f"{n}.weight" for n, m in getattr(eager, component["attribute"]).named_modules()
                         if isinstance(m, torch.nn.Conv2d)} & keys
         for variant in component["variants"]:
-            packed = set().union(*(sources(r) for r in variant["prepared"].values()
-                                   if "mkldnn._reorder_convolution_weight" in _ops(r)))
-            assert convolutions and convolutions <= packed, f"{name} {variant['name']}: {convolutions - packed} plain"
+            packed_from = set().union(*(sources(r) for r in variant["prepared"].values()
+                                        if "mkldnn._reorder_convolution_weight" in _ops(r)))
+            assert convolutions and convolutions <= packed_from, \
+                f"{name} {variant['name']}: {convolutions - packed_from} plain"
     packed = [t for v in compiled.unet.variants for t in v._prepared.tensors.values()]
     assert packed and any(t.is_mkldnn for t in packed)
     for bucket in (BUCKET, DYNAMIC):  # the bucket's model, then the dynamic one
