@@ -4,6 +4,7 @@ weight-less .pt2 package, plus the exact constants that package binds at load.""
 from __future__ import annotations
 
 import contextlib
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -245,9 +246,7 @@ def pack_dynamic_convolutions(gm: torch.fx.GraphModule) -> None:
         size = getattr(inputs.meta.get("val"), "shape", None) if isinstance(inputs, torch.fx.Node) else None
         if weight.op != "get_attr" or size is None or all(isinstance(s, int) for s in size) or size[1] == 1:
             continue
-        tensor = gm
-        for part in weight.target.split("."):
-            tensor = getattr(tensor, part)
+        tensor = operator.attrgetter(weight.target)(gm)
         if tensor.is_mkldnn or tensor.dim() not in (4, 5):
             continue
         padding, stride, dilation, groups = node.args[at_weight + 2:at_weight + 6]
