@@ -42,6 +42,8 @@ DEFAULT_COMPONENT_CASES = tuple(case for case in COMPONENT_CASES if case != "com
 COMPONENT_FIGURES = {
     "call_s": "one call, the median over the timed rounds",
     "ratio_to_aot": "call_s / aot's call_s, the median of the per-round ratios",
+    "ratio_quartiles": "the first and third quartiles of those per-round ratios: the middle half of the rounds "
+                       "lies between them, so a gap narrower than this spread is noise",
     "first_call_s": "the first call after preparing (compile: it compiles)",
     "prepare_s": "from files on disk (or the eager module) to ready: load and bind, or the runtime's own compile",
     "convert_s": "peers: torch.export of the float32 model and the runtime's conversion, saved",
@@ -167,9 +169,9 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             own_us = {name: r.measure_own_s() * 1e6 for name, r in runtimes.items() if r.measure_own_s}
     base = "aot" if "aot" in times else next(iter(times))
     for case, seconds in times.items():
-        runtimes[case].figures |= {
-            "call_s": statistics.median(seconds), "values": seconds,
-            "ratio_to_aot": statistics.median(s / a for s, a in zip(seconds, times[base], strict=True))}
+        ratios = [s / a for s, a in zip(seconds, times[base], strict=True)]
+        runtimes[case].figures |= {"call_s": statistics.median(seconds), "values": seconds,
+                                   "ratio_to_aot": statistics.median(ratios), "ratio_quartiles": _quartiles(ratios)}
         if case in own_us:
             runtimes[case].figures["stand_in_us"] = own_us[case]
     meta = {"target": target.name, "component": component, "shape": str(target.shapes[0]), "rounds": rounds,
@@ -305,6 +307,14 @@ def _rounds(runtimes: dict[str, _Runtime], rounds: int) -> dict[str, list[float]
     return times
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles (one round: its value twice)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    first, _, third = statistics.quantiles(values, n=4, method="inclusive")
+    return [first, third]
+
+
 @contextlib.contextmanager
 def _spinning(count: int) -> Iterator[None]:
     """`count` processes spinning on the CPU for the duration of the block."""
@@ -327,12 +337,13 @@ def format_component_table(document: dict[str, Any]) -> str:
     lines = [f"{meta['target']} {meta['component']} at {meta['shape']}: {meta['rounds']} rounds, "
              f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside, OpenMP threads wait: "
              f"{meta.get('openmp_wait', 'not recorded')}",
-             f"{'runtime':<{name}}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'rel.err':>10}{'prepare s':>11}"
-             f"{'convert s':>11}{'disk MiB':>10}  chose"]
+             f"{'runtime':<{name}}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'middle half':>13}{'rel.err':>10}"
+             f"{'prepare s':>11}{'convert s':>11}{'disk MiB':>10}  chose"]
     for case, f in document["runtimes"].items():
         chose = ", ".join(f"{k} {f[k]}" for k in ("precision", "threads", "variant") if k in f)
+        spread = "-".join(f"{q:.2f}" for q in f["ratio_quartiles"])
         lines.append(f"{case:<{name}}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
-                     f"{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('prepare_s'), 11, '.2f')}"
+                     f"{spread:>13}{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('prepare_s'), 11, '.2f')}"
                      f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}  {chose}")
     lines += [f"{case}: the stand-in's own cost per call (the model's run taken out): "
               f"{f['stand_in_us']:.0f} us" for case, f in document["runtimes"].items() if "stand_in_us" in f]

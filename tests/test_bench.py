@@ -225,6 +225,11 @@ def test_component_bench_runs_every_runtime_on_the_pipelines_own_call(built, tmp
         assert len(figures["values"]) == 3 and figures["call_s"] > 0 and figures["ratio_to_aot"] > 0
         assert figures["first_call_s"] > 0
     assert runtimes["aot"]["ratio_to_aot"] == 1 and runtimes["aot-model"]["variant"] == "b1_64x64"
+    for case, figures in runtimes.items():  # the spread of the per-round ratios, around their median
+        ratios = [value / aot for value, aot in zip(figures["values"], runtimes["aot"]["values"], strict=True)]
+        first, third = figures["ratio_quartiles"]
+        assert min(ratios) <= first <= figures["ratio_to_aot"] <= third <= max(ratios), case
+    assert runtimes["aot"]["ratio_quartiles"] == [1, 1] and "middle half" in result.output
     assert runtimes["openvino-f32"]["precision"] == "f32"
     assert runtimes["openvino"]["convert_s"] == runtimes["openvino-f32"]["convert_s"] > 0  # converted once
     assert all(runtimes[case]["disk_mib"] > 0 for case in ("aot", "openvino", "onnxruntime"))
