@@ -4,7 +4,11 @@ weight-less .pt2 package, plus the exact constants that package binds at load.""
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ from .private_apis import (
     cuda_compiler,
     inductor_config,
     onednn_convolutions,
+    onednn_linears,
     package_aoti,
     python_printer,
     recording_folds,
@@ -216,9 +221,15 @@ def compile_variant(program: torch.export.ExportedProgram, options: dict[str, An
             delattr(module, attribute)
             module.register_buffer(attribute, value, persistent=False)
     freezing = bool(options.get("freezing"))
+    timed: dict[tuple, float] = {}
+
+    def prepare_weights(gm: torch.fx.GraphModule) -> None:
+        pack_dynamic_convolutions(gm)
+        choose_linear_packings(gm, timed)
+
     # Freezing prepacks oneDNN weights only for code that computes no gradients.
     with recording_folds(_fold_step) if freezing else contextlib.nullcontext({}) as folds, \
-            rewriting_before_folds(pack_dynamic_convolutions) if freezing else contextlib.nullcontext(), \
+            rewriting_before_folds(prepare_weights) if freezing else contextlib.nullcontext(), \
             torch.no_grad() if freezing else contextlib.nullcontext():
         try:
             files = aot_compile(graph, args, kwargs, dict(options))
@@ -253,6 +264,60 @@ def pack_dynamic_convolutions(gm: torch.fx.GraphModule) -> None:
         with gm.graph.inserting_before(node):
             packed = gm.graph.call_function(reorder, (weight, padding, stride, dilation, groups, size_hints(size)))
         node.replace_input_with(weight, packed)
+
+
+# Another packing replaces inductor's only when it measures at most this share of its time: the
+# choice is made by timing, and a margin keeps noise from flipping it between builds.
+PACKING_MARGIN = 0.9
+
+
+def choose_linear_packings(gm: torch.fx.GraphModule, timed: dict[tuple, float]) -> None:
+    """Give each oneDNN linear weight the faster of two packings on this CPU: the one inductor
+    makes, for the rows of the input at the export size, and the one for a single row. oneDNN
+    blocks them differently (bf16 on AMX: AB16b32a2b and AB16b64a2b), and which runs faster
+    depends on the matmul's sizes, not on the hint: on cpu-sdxl-mid's bf16 UNet, 512 rows x 2560
+    by 640 took 1.47 ms packed for 512 rows and 0.86 ms packed for one, while 512 x 640 by 5120
+    took 1.23 and 1.35 ms. The rows hint is an argument of the packing, so the recipe records the
+    choice and any weights are packed the same way. `timed`: seconds by (rows, columns, outputs,
+    dtype, hint), shared by the graph's linears of the same sizes."""
+    linears, reorder, _ = onednn_linears()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not reorder or len(node.args) != 2:
+            continue
+        users = [user for user in node.users if user.target in linears and "val" in user.meta]
+        inputs = users[0].args[linears[users[0].target][0]] if users else None
+        if not isinstance(inputs, torch.fx.Node) or "val" not in inputs.meta:
+            continue
+        *leading, columns = size_hints(inputs.meta["val"].shape)
+        sizes = (math.prod(leading), columns, size_hints(users[0].meta["val"].shape)[-1], inputs.meta["val"].dtype)
+        hints = (node.args[1], 1)
+        if hints[0] in (None, 1):
+            continue
+        for hint in hints:
+            if (*sizes, hint) not in timed:
+                timed[(*sizes, hint)] = packed_linear_seconds(*sizes, hint)
+        if timed[(*sizes, 1)] <= PACKING_MARGIN * timed[(*sizes, hints[0])]:
+            node.args = (node.args[0], 1)
+
+
+def packed_linear_seconds(rows: int, columns: int, outputs: int, dtype: torch.dtype, hint: int) -> float:
+    """The median time of oneDNN's linear of these sizes, its weight packed for `hint` rows, on
+    random data (the values do not change the time)."""
+    _, reorder, linear = onednn_linears()
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(rows, columns, generator=generator).to(dtype)
+    weight = reorder(torch.randn(outputs, columns, generator=generator).to(dtype), hint)
+    return _median_seconds(lambda: linear(inputs, weight, None, "none", [], ""))
+
+
+def _median_seconds(call: Callable[[], Any], repeats: int = 7) -> float:
+    call()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def _fold_step(node: torch.fx.Node) -> dict[str, Any]:

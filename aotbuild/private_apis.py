@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "IncompatibleKeys", "accept_compiled_class", "aot_compile", "aoti_runner", "block_registry", "borrowed_mkldnn",
-    "cuda_compiler", "fake_tensor_mode", "inductor_config", "mkldnn_memory", "onednn_convolutions", "package_aoti",
+    "cuda_compiler", "fake_tensor_mode", "inductor_config", "mkldnn_memory", "onednn_convolutions", "onednn_linears",
+    "package_aoti",
     "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds", "serve_http_port",
     "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
 ]
@@ -187,6 +188,18 @@ def onednn_convolutions() -> tuple[dict[Any, tuple[int, int]], Any]:
     mkldnn = torch.ops.mkldnn
     return ({mkldnn._convolution_pointwise.default: (0, 1), mkldnn._convolution_pointwise.binary: (0, 2),
              mkldnn._convolution_pointwise_.binary: (1, 2)}, mkldnn._reorder_convolution_weight)
+
+
+def onednn_linears() -> tuple[dict[Any, tuple[int, int]], Any, Any]:
+    """torch.ops.mkldnn's `_linear_pointwise` (.default, .binary): the linears inductor's freezing
+    makes on CPU, each with where its input and its weight are in the call; the packing freezing
+    gives their weights, `_reorder_linear_weight(weight, rows)` (as the graph calls it: the
+    overload packet); and `_linear_pointwise.default(input, packed weight, bias, "none", [], "")`
+    to time a packing with. Without it: the packing oneDNN picks for the rows inductor hints,
+    however slow (`export.choose_linear_packings`)."""
+    mkldnn = torch.ops.mkldnn
+    return ({mkldnn._linear_pointwise.default: (0, 1), mkldnn._linear_pointwise.binary: (0, 2)},
+            mkldnn._reorder_linear_weight, mkldnn._linear_pointwise.default)
 
 
 def size_hints(shape: Any) -> list[int]:

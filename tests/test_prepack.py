@@ -200,6 +200,47 @@ def test_a_recipe_makes_what_onednn_makes_and_follows_its_weights():
     assert torch.equal(packed.to_dense(), other) and torch.ops.mkldnn.data_ptr(packed) == pointer
 
 
+@pytest.mark.slow
+def test_each_linear_weight_gets_the_packing_that_measures_faster(monkeypatch):
+    """Of the packing inductor makes (for the rows at the export size) and the one for a single
+    row, the build keeps the second only where it measures within the margin, by the times given
+    here; the recipe records the choice, and the weight packed for one row computes the linear."""
+    from aotbuild import export
+    from aotbuild.optimize import inductor_flags
+
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.gelu(self.a(x)))
+
+    torch.manual_seed(0)
+    module = TwoLinears().to(torch.bfloat16).eval()
+    inputs = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    program = torch.export.export(module, (inputs,), dynamic_shapes=({0: torch.export.Dim("batch", max=4)},))
+    asked = []
+
+    def seconds(rows, columns, outputs, dtype, hint):  # a's one-row packing twice as fast, b's 5% faster
+        asked.append((rows, columns, outputs, dtype, hint))
+        return 1.0 if hint != 1 else {96: 0.5, 64: 0.95}[outputs]
+
+    monkeypatch.setattr(export, "packed_linear_seconds", seconds)
+    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    assert sorted(asked) == [(16, 64, 96, torch.bfloat16, 1), (16, 64, 96, torch.bfloat16, 16),
+                             (16, 96, 64, torch.bfloat16, 1), (16, 96, 64, torch.bfloat16, 16)]
+    packings = {next(iter(sources(recipe))): recipe for recipe in recipes.values()
+                if recipe["op"] == "mkldnn._reorder_linear_weight"}
+    assert {name: recipe["args"][1] for name, recipe in packings.items()} == {"a.weight": 1, "b.weight": 16}
+    packed = prepare(packings["a.weight"], {"a.weight": module.a.weight})
+    rows = inputs.reshape(16, 64)
+    with torch.no_grad():
+        made = torch.ops.mkldnn._linear_pointwise(rows, packed, module.a.bias, "none", [], "")
+        expected = torch.nn.functional.linear(rows.float(), module.a.weight.float(), module.a.bias.float())
+    torch.testing.assert_close(made.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 rounding
+
+
 def test_a_prepared_view_of_a_weight_is_made_anew_never_written_through():
     """Freezing also folds reshapes of biases: a view of the weight. Remade in place, it would
     write the new weight's values into the old weight's memory (a LoRA's base, a user's tensor)."""
