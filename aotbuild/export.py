@@ -284,7 +284,8 @@ def choose_linear_packings(gm: torch.fx.GraphModule, timed: dict[tuple, float]) 
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not reorder or len(node.args) != 2:
             continue
-        users = [user for user in node.users if user.target in linears and "val" in user.meta]
+        users = [user for user in node.users if user.target in linears and "val" in user.meta
+                 and user.args[linears[user.target][1]] is node]
         inputs = users[0].args[linears[users[0].target][0]] if users else None
         if not isinstance(inputs, torch.fx.Node) or "val" not in inputs.meta:
             continue

@@ -30,9 +30,8 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "IncompatibleKeys", "accept_compiled_class", "aot_compile", "aoti_runner", "block_registry", "borrowed_mkldnn",
     "cuda_compiler", "fake_tensor_mode", "inductor_config", "mkldnn_memory", "onednn_convolutions", "onednn_linears",
-    "package_aoti",
-    "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds", "serve_http_port",
-    "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
+    "package_aoti", "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds",
+    "serve_http_port", "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
 ]
 
 
