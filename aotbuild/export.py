@@ -282,7 +282,8 @@ def choose_linear_packings(gm: torch.fx.GraphModule, timed: dict[tuple, float]) 
     dtype, hint), shared by the graph's linears of the same sizes."""
     linears, reorder, _ = onednn_linears()
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not reorder or len(node.args) != 2:
+        if node.op != "call_function" or node.target is not reorder or len(node.args) != 2 \
+                or node.args[1] in (None, 1):
             continue
         users = [user for user in node.users if user.target in linears and "val" in user.meta
                  and user.args[linears[user.target][1]] is node]
@@ -291,13 +292,11 @@ def choose_linear_packings(gm: torch.fx.GraphModule, timed: dict[tuple, float]) 
             continue
         *leading, columns = size_hints(inputs.meta["val"].shape)
         sizes = (math.prod(leading), columns, size_hints(users[0].meta["val"].shape)[-1], inputs.meta["val"].dtype)
-        hints = (node.args[1], 1)
-        if hints[0] in (None, 1):
-            continue
-        for hint in hints:
+        rows_hint = node.args[1]
+        for hint in (rows_hint, 1):
             if (*sizes, hint) not in timed:
                 timed[(*sizes, hint)] = packed_linear_seconds(*sizes, hint)
-        if timed[(*sizes, 1)] <= PACKING_MARGIN * timed[(*sizes, hints[0])]:
+        if timed[(*sizes, 1)] <= PACKING_MARGIN * timed[(*sizes, rows_hint)]:
             node.args = (node.args[0], 1)
 
 

@@ -162,7 +162,8 @@ def rewriting_before_folds(rewrite: Callable[[torch.fx.GraphModule], None]) -> I
     imports from it at each call), wrapped for the block: `rewrite(graph_module)` runs before each
     constant fold of freezing, the last of which follows inductor's oneDNN weight packing. Without
     it: a freezing graph cannot be given a weight preparation inductor does not make (packed
-    convolution weights at dynamic input sizes: `export.pack_dynamic_convolutions`)."""
+    convolution weights at dynamic input sizes: `export.pack_dynamic_convolutions`; the faster of
+    two linear packings: `export.choose_linear_packings`)."""
     from torch._inductor import freezing
 
     original = freezing.constant_fold
