@@ -250,11 +250,12 @@ def test_z_image_text_length_is_the_prompts_real_token_count(z_image):
     """ZImagePipeline hands its transformer a list of per-image latents and each prompt's real tokens
     (no padding), a length that changes with every prompt: the dynamic model serves any length in
     its range (the range's ends reached by truncating a long prompt at max_sequence_length, and a
-    prompt as written), == eager, at sizes of either aspect."""
+    prompt as written, a few words the most common of all), == eager, at sizes of either aspect."""
     _, compiled, eager = z_image
     fox = "a red fox in the snow " * 8
-    assert 16 < tokens(eager, fox) < 500
-    for size, prompt, text in [(64, fox * 20, 16), (64, fox * 20, 500), (32, fox, 512), (96, fox, 512)]:
+    assert 16 < tokens(eager, fox) < 500 and tokens(eager, "a red fox") == 14
+    for size, prompt, text in [(64, fox * 20, 2), (64, fox * 20, 500), (32, fox, 512), (96, fox, 512),
+                               (64, "a red fox", 512)]:
         call = {"height": size, "width": size, "guidance_scale": 0.0, "max_sequence_length": text}
         got = run_prompt(compiled, prompt, **call)
         np.testing.assert_allclose(got, run_prompt(eager, prompt, **call), atol=ATOL, rtol=0)
@@ -267,19 +268,20 @@ def run_prompt(pipe, prompt, **call):
 
 
 def test_z_image_refusals_name_the_prompts_tokens_and_the_branch_export_took(z_image):
-    """A prompt shorter than the range is refused by its token count, not by max_sequence_length.
-    Z-Image pads its image tokens to a multiple of 32 only when they are not one: the model was
-    exported at a size that needs no padding, and export kept that branch as a guard on the sizes
-    (recorded in the manifest, checked at every call): a size in the range that needs padding is
-    refused naming it, never run on code that skips the padding."""
+    """A text longer than the range is refused by its token count. Z-Image pads its image tokens
+    to a multiple of 32 only when they are not one: the model was exported at a size that needs no
+    padding, and export kept that branch as a guard on the sizes (recorded in the manifest,
+    checked at every call): a size in the range that needs padding is refused naming it, never
+    run on code that skips the padding."""
     built, compiled, eager = z_image
     dynamic = next(v for v in built.manifest["components"]["transformer"]["variants"] if v["name"] == "dynamic")
     assert any("% 32" in guard for guard in dynamic["guards"])
-    short = "fox"
-    with pytest.raises(ShapeNotSupportedError, match=rf"transformer: text length {tokens(eager, short)} \(the "
+    long = "a red fox in the snow " * 82  # 504 tokens
+    assert 500 < tokens(eager, long) < 512
+    with pytest.raises(ShapeNotSupportedError, match=rf"transformer: text length {tokens(eager, long)} \(the "
                                                      r"prompt's tokens; max_sequence_length=512\) in this call; "
-                                                     r"compiled: 16-500"):
-        run_prompt(compiled, short, height=64, width=64, guidance_scale=0.0)
+                                                     r"compiled: 2-500"):
+        run_prompt(compiled, long, height=64, width=64, guidance_scale=0.0)
     with pytest.raises(ShapeNotSupportedError, match=r"are in the range compiled, but break what the compiled code "
                                                      r"assumes of them: .*% 32.*args\[0\]\.0 dim 2 = 2\*s"):
         run_prompt(compiled, "a red fox in the snow " * 8, height=48, width=80, guidance_scale=0.0)
@@ -355,16 +357,16 @@ def test_qwen_image_serves_prompts_as_written_and_true_cfg(qwen_image):
     second transformer call of the negative's length), == eager; a shorter text is refused."""
     compiled, eager = qwen_image
     fox = "a red fox in the snow "
-    for prompt, call in [(fox, {}), (fox * 40, {"max_sequence_length": 16}), (fox * 40, {"max_sequence_length": 500}),
+    for prompt, call in [(fox, {}), (fox * 40, {"max_sequence_length": 2}), (fox * 40, {"max_sequence_length": 500}),
                          (fox, {"true_cfg_scale": 4.0, "negative_prompt": "blurry"})]:
         call = {"height": 64, "width": 64, **call}
         np.testing.assert_allclose(run_prompt(compiled, prompt, **call), run_prompt(eager, prompt, **call),
                                    atol=ATOL, rtol=0)
         assert compiled.transformer.last_variant == "dynamic"
         assert compiled.vae.last_variant == "b1_64x64"  # the causal VAE's decoder, compiled for one frame
-    with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 8 \(max_sequence_length=8\) in "
-                                                     r"this call; compiled: 16-500, 512"):
-        run_prompt(compiled, fox * 40, height=64, width=64, max_sequence_length=8)
+    with pytest.raises(ShapeNotSupportedError, match=r"transformer: text length 1 \(max_sequence_length=1\) in "
+                                                     r"this call; compiled: 2-500, 512"):
+        run_prompt(compiled, fox * 40, height=64, width=64, max_sequence_length=1)
     with pytest.raises(UnsupportedCallError, match=r"vae.decode\(\): 2 frames in this call; this artifact's "
                                                    r"vae_decoder is compiled for images \(one frame"):
         compiled.vae.decode(torch.zeros(1, 4, 2, 32, 32))
