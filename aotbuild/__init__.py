@@ -15,6 +15,7 @@ from .errors import (
     CorruptArtifactError,
     HubError,
     IncompatibleArtifactError,
+    MissingAttributeError,
     NoMatchingVariantError,
     NumericsError,
     ShapeNotSupportedError,
@@ -35,8 +36,8 @@ _LAZY = {
 
 __all__ = [
     "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "HubError", "IncompatibleArtifactError",
-    "NoMatchingVariantError", "NumericsError", "ShapeNotSupportedError", "SourceError", "TargetError",
-    "UnsupportedCallError", "UntrustedCodeError", "WeightsMismatchError", *_LAZY,
+    "MissingAttributeError", "NoMatchingVariantError", "NumericsError", "ShapeNotSupportedError", "SourceError",
+    "TargetError", "UnsupportedCallError", "UntrustedCodeError", "WeightsMismatchError", *_LAZY,
     "__version__",
 ]
 

@@ -97,6 +97,18 @@ def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:
     return names
 
 
+def raised_by_input_checks(exc: ValueError) -> bool:
+    """Whether a pipeline's own input checks refused the call: diffusers' `check_inputs` raising
+    ValueError (a size it does not take, a prompt and its embeddings both given), the caller's
+    mistake. A ValueError from anywhere else in the call is a failure."""
+    frame = exc.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code.co_name == "check_inputs":
+            return True
+        frame = frame.tb_next
+    return False
+
+
 def prepare_artifact(artifact: str, *, cuda_graphs: bool | None = None, weights: str | None = None,
                      loras: list[tuple[str, float]] = (), trust_remote_code: bool = False,
                      variant: str | None = None) -> tuple[Any, dict[str, Any]]:
@@ -259,7 +271,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
             generator = ([torch.Generator("cpu").manual_seed(s) for s in seed] if isinstance(seed, list)
                          else torch.Generator("cpu").manual_seed(seed))
             result = pipe(prompt=prompt, generator=generator, output_type="pil", **call)
-    except ValueError as exc:  # the pipeline's own input checks (diffusers: height in 8s, and the like)
+    except ValueError as exc:
+        if not raised_by_input_checks(exc):  # not a refusal: a failure, shown as one
+            raise
         asked = ", ".join(f"{k}={v}" for k, v in call.items() if k in ("height", "width", FRAMES, "strength"))
         raise AotbuildError(f"{type(pipe).__name__} refuses this call ({asked}): {str(exc).strip()}",
                             hint="change the option it names") from None

@@ -313,13 +313,13 @@ def inspect(artifact: str, as_json: bool) -> None:
 @click.argument("artifact")
 def verify(artifact: str) -> None:
     """Check hashes and fit to this machine; exits non-zero on any problem."""
-    from .manifest import check_compatible, read_manifest, verify_files
-    from .runtime import artifact_folder
+    from .manifest import read_manifest, verify_files
+    from .runtime import artifact_folder, check_fit
 
     folder, _ = artifact_folder(artifact)
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
-    check_compatible(manifest)
+    check_fit(manifest)
     click.echo(f"{artifact}: ok ({len(manifest['files'])} files verified, fits this machine)")
 
 
@@ -536,12 +536,16 @@ def _listed(cases: str | None) -> tuple[str, ...] | None:
               help="requests of one call shape made together at most (1: no batching)")
 @click.option("--batch-wait-ms", type=click.FloatRange(0), default=10, show_default=True,
               help="how long a request waits for others to batch with")
+@click.option("--health-details", is_flag=True, help="GET /health also says what each replica serves, its pid, "
+                                                      "memory, load times and counts (for your monitoring; off: "
+                                                      "status and replica id only)")
 @click.option("--trust-remote-code", is_flag=True, help="load an hf:// artifact's native code (compiled libraries "
                                                      "run in this process); local folders need no flag")
 def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
           cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int,
           variant: str | None, loras: tuple[str, ...], lora_slots: int, checkpoints: tuple[str, ...],
-          weights_slots: int, max_batch: int, batch_wait_ms: float, trust_remote_code: bool) -> None:
+          weights_slots: int, max_batch: int, batch_wait_ms: float, health_details: bool,
+          trust_remote_code: bool) -> None:
     """Serve text-to-image (text-to-video) over HTTP on Ray Serve: each replica loads the artifact
     once; POST JSON (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images,
     frames, output, image, mask, strength, lora, lora_scale, weights) to the URL, or multipart with
@@ -577,7 +581,7 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
                autoscale=bounds, cpus=cpus, gpus=gpus or 0, gpu_type=gpu_type, max_steps=max_steps,
                max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=adapters,
                lora_slots=lora_slots, checkpoints=others, weights_slots=weights_slots, max_batch=max_batch,
-               batch_wait_s=batch_wait_ms / 1000)
+               batch_wait_s=batch_wait_ms / 1000, health_details=health_details)
 
 
 @main.command()

@@ -76,6 +76,18 @@ class UnsupportedCallError(AotbuildError):
     before anything changes."""
 
 
+class MissingAttributeError(AotbuildError, AttributeError):
+    """An attribute the eager module has and aotbuild's stand-in does not keep. An AttributeError
+    too, so `hasattr` and `getattr(..., default)` in diffusers keep working."""
+
+    def __init__(self, component: str, name: str, message: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message or f"{component} is compiled by aotbuild and has no attribute {name!r}: the "
+                                    f"stand-in keeps the config, dtype, device, the attributes the pipeline reads "
+                                    f"and the calls it makes",
+                         hint=hint or "call it on an eager pipeline, or load the artifact with eager_fallback=True "
+                                      "for calls the compiled code does not cover")
+
+
 class UntrustedCodeError(AotbuildError):
     """An artifact from a Hub repo (native code) loaded without `trust_remote_code=True`."""
 

@@ -171,16 +171,76 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CorruptArtifactError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CorruptArtifactError(f"{path} is not an aotbuild manifest (not a JSON object)")
     if manifest.get("schema") not in READABLE_SCHEMAS:
         raise IncompatibleArtifactError("schema", " or ".join(map(str, READABLE_SCHEMAS)), manifest.get("schema"))
-    try:
-        named = [*manifest["files"], *(entry[key] for entry in manifest["components"].values()
-                                       for key in ("package", "weights"))]
-    except (KeyError, TypeError, AttributeError):
-        raise CorruptArtifactError(f"{path} lacks its files or components") from None
-    for relative in named:
+    if problem := manifest_problem(manifest):
+        raise CorruptArtifactError(f"{path} is damaged: {problem}",
+                                   hint="rebuild the artifact (aotbuild build --force), or pull it again")
+    for relative in manifest["files"]:
         check_relative_path(relative, f"{path} names a file")
+    for name, entry in manifest["components"].items():
+        for key in ("package", "weights"):
+            check_relative_path(entry[key], f"{path} names a file")
+            if entry[key] not in manifest["files"]:  # a file with no recorded hash would be trusted unchecked
+                raise CorruptArtifactError(f"{path} is damaged: component {name}'s {key} {entry[key]!r} is not among "
+                                           f"its files", hint="rebuild the artifact, or pull it again")
     return manifest
+
+
+# What the runtime and the commands read of a manifest, by section, with its JSON type: checked
+# when it is read, so a damaged or hand-edited manifest is named (the section, the key), never a
+# KeyError deep inside a load or `aotbuild verify`.
+MANIFEST_FIELDS: dict[str, dict[str, type]] = {
+    "": {"target": dict, "source": dict, "environment": dict, "optimizations": dict, "components": dict,
+         "runtime": dict, "files": dict},
+    "target": {"name": str, "pipeline": str, "device": str, "dtype": str, "shapes": list, "optimize": dict},
+    "source": {"id": str},
+    "environment": {"torch": str, "platform": str, "cpu_isa": str, "device_type": str},
+    "optimizations": {"passes": dict},
+    "component": {"attribute": str, "package": str, "weights": str, "dtype": str, "config": dict, "constants": dict,
+                  "variants": list},
+    "variant": {"name": str, "inputs": list},
+    "file": {"bytes": int, "sha256": str},
+}
+
+
+def missing_field(record: Any, fields: dict[str, type]) -> str | None:
+    """The first of `fields` that `record` (a parsed JSON object) lacks or holds as another JSON
+    type, said as "lacks 'key'" or "'key' is not a list"; None when all are there."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    for key, kind in fields.items():
+        if key not in record:
+            return f"lacks {key!r}"
+        if not isinstance(record[key], kind) or (kind is int and isinstance(record[key], bool)):
+            return f"has {key!r} that is not {JSON_KINDS[kind]}"
+    return None
+
+
+JSON_KINDS = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is missing or malformed in a manifest's structure (`MANIFEST_FIELDS`), or None."""
+    if problem := missing_field(manifest, MANIFEST_FIELDS[""]):
+        return f"the manifest {problem}"
+    for section in ("target", "source", "environment", "optimizations"):
+        if problem := missing_field(manifest[section], MANIFEST_FIELDS[section]):
+            return f"its {section} {problem}"
+    for name, record in manifest["files"].items():
+        if problem := missing_field(record, MANIFEST_FIELDS["file"]):
+            return f"file {name!r} {problem}"
+    for name, entry in manifest["components"].items():
+        if problem := missing_field(entry, MANIFEST_FIELDS["component"]):
+            return f"component {name!r} {problem}"
+        for variant in entry["variants"]:
+            if problem := missing_field(variant, MANIFEST_FIELDS["variant"]):
+                return f"a variant of component {name!r} {problem}"
+            if not isinstance(variant.get("guards", []), list):
+                return f"variant {variant['name']!r} of component {name!r} has guards that are not a list"
+    return None
 
 
 def check_relative_path(relative: Any, what: str) -> str:

@@ -5,7 +5,9 @@ constructor, and makes images (videos).
     POST /                        {"prompt": "...", "steps": 4, "seed": 0, "lora": "ink", ...}
                                   -> image/png (video/mp4), or JSON with base64 ones
     POST /v1/images/generations   OpenAI's images request ({"prompt", "n", "size": "WxH"}) -> b64_json
-    GET  /health                  200 with what a replica serves, once its compiled models are loaded
+    POST /v1/images/edits         OpenAI's edits request (an image, and a mask) -> b64_json
+    GET  /health                  200 once a replica's compiled models are loaded (what it serves,
+                                  its process and counts only when started with health_details)
 
 A bad request (unknown field, wrong type, a size no compiled variant covers, more steps than
 allowed, a LoRA the server was not started with) gets a 4xx with a readable message, and the
@@ -66,6 +68,9 @@ REQUEST_FIELDS = {
 }
 OPENAI_ROUTE = "/v1/images/generations"
 OPENAI_EDITS_ROUTE = "/v1/images/edits"
+HEALTH_ROUTE = "/health"
+# Every route the server answers, below its prefix, with its method; any other path is a 404.
+ROUTES = {"": "POST", OPENAI_ROUTE: "POST", OPENAI_EDITS_ROUTE: "POST", HEALTH_ROUTE: "GET"}
 OPENAI_ONLY = ("n", "size", "response_format", "model", "user")  # OpenAI's fields; the rest are this server's
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,63}")
 LORA_SLOTS = 4  # adapters a replica keeps loaded (each is its LoRA matrices: megabytes)
@@ -267,8 +272,9 @@ _MACHINE_PATH = re.compile(r"(?<![\w.~-])(?:/[\w.@+-]+){2,}/?")
 
 
 def scrubbed(text: str) -> str:
-    """`text` without machine paths (a client learns nothing of the server's file system)."""
-    return _MACHINE_PATH.sub("<path>", text)
+    """`text` without machine paths (a client learns nothing of the server's file system); the
+    server's own routes stay."""
+    return _MACHINE_PATH.sub(lambda found: found[0] if found[0].rstrip("/") in ROUTES else "<path>", text)
 
 
 class AdapterSlots:
@@ -341,9 +347,11 @@ def parse_checkpoints(texts: list[str] | tuple[str, ...]) -> dict[str, str]:
     Raises:
         AotbuildError: a malformed option, a name given twice, a local folder that is not a checkpoint.
     """
+    from .sources import hub_id_form
+
     def checkpoint(source: str) -> str:
         local = Path(source).expanduser()
-        if local.exists() or source.startswith((".", "/", "~")):
+        if local.exists() or not hub_id_form(source):
             if not (local / "model_index.json").is_file():
                 raise AotbuildError(f"--weights {source}: not a diffusers checkpoint (no model_index.json there)")
             return str(local.resolve())  # replicas may start in another folder
@@ -379,7 +387,7 @@ def openai_request(body: Any, *, edits: bool = False) -> tuple[dict[str, Any], d
     """
     if not isinstance(body, dict):
         raise RequestError(400, 'the body must be a JSON object, e.g. {"prompt": "a red fox", "size": "1024x1024"}')
-    if edits and "image" not in body:
+    if edits and body.get("image") is None:
         raise RequestError(400, f"field 'image' is required at {OPENAI_EDITS_ROUTE}: the picture to edit")
     if not edits and (given := sorted(set(body) & {"image", "mask"})):
         raise RequestError(400, f"field {given[0]!r}: {OPENAI_ROUTE} makes images from text; "
@@ -414,6 +422,8 @@ def _openai_mask(request: dict[str, Any]) -> None:
     mask without transparency is refused; an image without it, and no mask, is img2img of the whole."""
     from .media import png_bytes
 
+    if request.get("mask") is None:  # null: no mask, as OpenAI's clients send an absent one
+        request.pop("mask", None)
     given = "mask" in request
     picture = _picture(request, "mask" if given else "image", "RGBA")
     alpha = picture.getchannel("A")
@@ -446,7 +456,7 @@ class ImageServer:
                  trust_remote_code: bool = False, variant: str | None = None,
                  loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
                  checkpoints: dict[str, str] | None = None, weights_slots: int = WEIGHTS_SLOTS,
-                 max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S) -> None:
+                 max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S, health_details: bool = False) -> None:
         from ray import serve
 
         from .backends import call_defaults, prepare, prepare_artifact
@@ -488,6 +498,7 @@ class ImageServer:
                       "threads": torch.get_num_threads(), "loras": sorted(self.lora_weights), "lora_slots": lora_slots,
                       "checkpoints": sorted(self._checkpoints), "weights_slots": weights_slots,
                       "max_batch": max_batch}
+        self.health_details = health_details
         self.queued = 0
         self._lock = threading.Lock()  # the pipeline: one call or adapter change at a time
         self._metrics = _replica_metrics()
@@ -508,13 +519,18 @@ class ImageServer:
             raise RuntimeError(f"the replica's {device} computes wrong results")
 
     def health(self) -> dict[str, Any]:
-        """What GET /health answers: what the replica serves, its counts and memory; raises when
-        the health check fails."""
+        """What GET /health answers: that the replica is ready (and which replica answered); with
+        `health_details`, also what it serves, its process, memory, load times and counts (for the
+        operator's monitoring: not what any caller of a public port should learn). Raises when the
+        health check fails."""
         from .bench import rss_mib
 
         self.check_health()
-        return {"status": "ready", "replica": _replica_id(), "pid": os.getpid(), "load_s": self.load_s,
-                "random_init_s": self.random_init_s, **self.about, "rss_mib": round(rss_mib(), 1),
+        answer = {"status": "ready", "replica": _replica_id()}
+        if not self.health_details:
+            return answer
+        return {**answer, "pid": os.getpid(), "load_s": self.load_s, "random_init_s": self.random_init_s,
+                **self.about, "rss_mib": round(rss_mib(), 1),
                 "served": {**self.counts, "queued": self.queued,
                            "adapters_loaded": list(self._pipes[None].loaded),
                            "checkpoints_loaded": {name: list(slots.loaded) for name, slots in self._pipes.items()
@@ -592,10 +608,10 @@ class ImageServer:
                               guidance_scale=first["guidance_scale"], negative_prompt=first["negative_prompt"],
                               frames=first["frames"], text=self.defaults["text"], image=first["image"],
                               mask=first["mask"], strength=first["strength"])
-        except (AotbuildError, ValueError) as exc:  # diffusers' and aotbuild's words for a call they cannot make
-            hint = f" ({exc.hint})" if getattr(exc, "hint", None) else ""
-            return {"status": 422, "error": scrubbed(f"{getattr(exc, 'message', exc)}{hint}")}
-        except Exception:  # the replica keeps serving; the client gets the request id, the log the rest
+        except AotbuildError as exc:  # a call aotbuild or the pipeline's own checks refuse, in their words
+            hint = f" ({exc.hint})" if exc.hint else ""
+            return {"status": 422, "error": scrubbed(f"{exc.message}{hint}")}
+        except Exception:  # a failure: the replica keeps serving, the client gets the request id, the log the rest
             import traceback
 
             return {"status": 500, "error": "failed", "traceback": traceback.format_exc()}
@@ -643,6 +659,15 @@ class ImageServer:
         return [mp4_bytes(frames, video_fps(type(self.pipe))) for frames in made]
 
 
+def _route(request: Any) -> str:
+    """The request's path below the application's route prefix (Ray Serve mounts it at
+    `root_path`), without a trailing slash: "" for POST /, "/health"."""
+    path, root = request.url.path, request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path.rstrip("/")
+
+
 def route_id(weights: str | None, lora: str | None) -> str | None:
     """The id Ray Serve routes a request by (its multiplexed model id): the checkpoint and the
     adapter it names, None for the artifact's own weights alone."""
@@ -673,7 +698,9 @@ class Ingress:
 
         POST /                        this server's JSON request -> PNG (MP4) or JSON
         POST /v1/images/generations   OpenAI's images request -> {"created", "data": [{"b64_json"}]}
-        GET  /health                  200 with what a replica serves, 503 when it fails
+        POST /v1/images/edits         OpenAI's edits request -> {"created", "data": [{"b64_json"}]}
+        GET  /health                  200 when a replica is ready (details: `health_details`), 503 when it fails
+    Any other path is a 404, another method a 405.
     """
 
     def __init__(self, model: Any, loras: tuple[str, ...] = (), checkpoints: tuple[str, ...] = ()) -> None:
@@ -684,8 +711,8 @@ class Ingress:
         from starlette.responses import JSONResponse, Response
 
         request_id = uuid.uuid4().hex[:16]
-        path = request.url.path.rstrip("/")
-        openai = path.endswith((OPENAI_ROUTE, OPENAI_EDITS_ROUTE))
+        path = _route(request)
+        openai = path in (OPENAI_ROUTE, OPENAI_EDITS_ROUTE)
         start = time.perf_counter()
 
         def answer(status: int, error: str, replica: str = "-") -> Any:
@@ -697,7 +724,12 @@ class Ingress:
                 body = {"error": scrubbed(error), "replica": replica, "request": request_id}
             return JSONResponse(body, status_code=status, headers=ids)
 
-        if request.method == "GET" and path.endswith("/health"):
+        if path not in ROUTES:
+            routes = ", ".join(f"{method} {route or '/'}" for route, method in ROUTES.items())
+            return answer(404, f"no such route: {request.method} {path or '/'}; this server answers {routes}")
+        if request.method != ROUTES[path]:
+            return answer(405, f"{request.method} {path or '/'}: this route takes {ROUTES[path]}")
+        if path == HEALTH_ROUTE:
             try:
                 health = await self._remote("health")
             except Exception:
@@ -705,15 +737,12 @@ class Ingress:
                 return answer(503, "the replica failed its health check")
             return JSONResponse(health, headers={"x-aotbuild-replica": health["replica"],
                                                  "x-aotbuild-request": request_id})
-        if request.method != "POST":
-            return answer(405, f"{request.method} {request.url.path}: POST a JSON or multipart request to / (or "
-                               f"OpenAI's to {OPENAI_ROUTE} or {OPENAI_EDITS_ROUTE}), or GET /health")
         try:
             raw = await _limited_body(request)
             multipart = request.headers.get("content-type", "").startswith("multipart/form-data")
             body = await _form(request.headers, raw) if multipart else read_json(raw)
             if openai:  # an edit's mask is decoded: in a worker thread, off the event loop
-                body, names = await asyncio.to_thread(openai_request, body, edits=path.endswith(OPENAI_EDITS_ROUTE))
+                body, names = await asyncio.to_thread(openai_request, body, edits=path == OPENAI_EDITS_ROUTE)
             else:
                 names = {}
             # A checkpoint or adapter the server was not started with is refused by the replica, unrouted.
@@ -837,7 +866,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         max_images: int = MAX_IMAGES, env: dict[str, str] | None = None, trust_remote_code: bool = False,
         variant: str | None = None, loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
         checkpoints: dict[str, str] | None = None, weights_slots: int = WEIGHTS_SLOTS, max_batch: int = MAX_BATCH,
-        batch_wait_s: float = BATCH_WAIT_S) -> Any:
+        batch_wait_s: float = BATCH_WAIT_S, health_details: bool = False) -> Any:
     """The Serve application: an `Ingress` in front of `replicas` `ImageServer`s, or `autoscale`
     (min, max) of them scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind
     `gpu_type`, Ray's accelerator type). `env`: more environment for the replicas (the driver's
@@ -847,7 +876,9 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     several. `loras` ({name: (source, weight)}, `parse_adapters`): the LoRAs requests may name,
     `lora_slots` loaded per replica; `checkpoints` ({name: source}, `parse_checkpoints`): other
     checkpoints of the architecture, `weights_slots` loaded per replica beside the artifact's own.
-    `max_batch`, `batch_wait_s`: requests made together. Run it with `ray.serve.run(app(...))`."""
+    `max_batch`, `batch_wait_s`: requests made together. `health_details`: GET /health also says
+    what each replica serves, its process, memory and counts (off: status and replica id only).
+    Run it with `ray.serve.run(app(...))`."""
     from ray import serve
 
     from .cluster import forwarded_env, require_ray
@@ -882,7 +913,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir), max_steps=max_steps,
         max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=loras,
         lora_slots=lora_slots, checkpoints=checkpoints, weights_slots=weights_slots, max_batch=max_batch,
-        batch_wait_s=batch_wait_s)
+        batch_wait_s=batch_wait_s, health_details=health_details)
     # The front computes nothing: it reserves no CPU and takes every request the replicas may queue.
     front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=1000)
@@ -1009,7 +1040,7 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
                     drop_page_cache([p for p in folder.rglob("*") if p.is_file()])
                 caches = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=work)}
                 application = app(str(folder) if case == "aot" else None, target=target_path, backend=case,
-                                  artifacts_dir=artifacts_dir, cpus=cpus, env=caches)
+                                  artifacts_dir=artifacts_dir, cpus=cpus, env=caches, health_details=True)
                 name, url = f"bench-{case}", f"http://127.0.0.1:{port}/bench-{case}"
                 start = time.perf_counter()
                 try:

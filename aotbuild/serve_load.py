@@ -196,7 +196,8 @@ def bench_load(target_path: str, artifacts_dir: Any, *, clients: int = 4, reques
             slots = max(1, len(adapters) - 1)
             say(f"deploying with max_batch {batch}" + (f", {len(adapters)} LoRAs in {slots} slot(s)" if adapters
                                                         else ""))
-            deploy(app(str(folder), cpus=cpus, max_batch=batch, loras=adapters or None, lora_slots=slots),
+            deploy(app(str(folder), cpus=cpus, max_batch=batch, loras=adapters or None, lora_slots=slots,
+                       health_details=True),
                    "load", "/load")
             try:
                 status, _, content = request(url, bodies[0], timeout=timeout)  # warm-up

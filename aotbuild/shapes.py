@@ -335,17 +335,31 @@ _GUARD_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.No
                 ast.GtE, ast.Name, ast.Load, ast.Constant, ast.Call)
 
 
+def uncheckable_guard(guards: tuple[str, ...] | list[str]) -> str | None:
+    """The first guard that is not integer arithmetic on symbols (None: every one can be checked):
+    a build refuses to record one, a load refuses an artifact recording one."""
+    for guard in guards:
+        try:
+            _guard_function(guard if isinstance(guard, str) else repr(guard))
+        except ValueError:
+            return guard
+    return None
+
+
 @functools.cache  # each guard is checked on every call of its model: compiled once
 def _guard_function(guard: str) -> Any:
     """A guard ("((-1)*s0) % 32 >= 2", as torch's Python printer writes it) as a function of the
-    symbols' values; anything but integer arithmetic is a BuildError (the manifest is data, never
+    symbols' values; anything but integer arithmetic is a ValueError (the manifest is data, never
     code to run)."""
-    tree = ast.parse(guard, mode="eval")
+    try:
+        tree = ast.parse(guard, mode="eval")
+    except (SyntaxError, ValueError):
+        raise ValueError(f"a shape guard aotbuild cannot check: {guard!r}") from None
     for node in ast.walk(tree):
         if not isinstance(node, _GUARD_NODES) or (isinstance(node, ast.Constant) and type(node.value) is not int) \
                 or (isinstance(node, ast.Call) and (not isinstance(node.func, ast.Name) or node.keywords
                                                     or node.func.id not in ("max", "min"))):
-            raise BuildError(f"a shape guard aotbuild cannot check: {guard}")
+            raise ValueError(f"a shape guard aotbuild cannot check: {guard!r}")
     code = compile(tree, "<guard>", "eval")
     names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - {"max", "min"})
     return lambda bound: eval(code, {"__builtins__": {}, "max": max, "min": min}, {n: bound[n] for n in names})

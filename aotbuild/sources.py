@@ -20,6 +20,14 @@ SOURCE_DIRNAME = "source"  # where an artifact keeps the config set of a random 
 HALF_DTYPES = ("float16", "bfloat16")
 # diffusers' and transformers' variant file names: model.fp16.safetensors, model.fp16-00001-of-00002.safetensors
 FP16_FILE = re.compile(r"\.fp16[.-][^/]*safetensors$")
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")  # org/name[@revision]
+
+
+def hub_id_form(text: str) -> bool:
+    """Whether `text` is written as a Hub id (`org/name[@revision]`), not as a path on this machine
+    (absolute, `./`, `~/` or deeper than one folder): where nothing is at that path, it names the
+    Hub only in this form, and a missing folder is said to be missing, not a malformed repo id."""
+    return HUB_ID.fullmatch(text) is not None and not text.startswith((".", "~"))
 
 
 def is_random(source: str) -> bool:

@@ -12,7 +12,6 @@ from PIL import Image
 
 import aotbuild
 from aotbuild.errors import AotbuildError, ShapeNotSupportedError
-from aotbuild.runtime.component import MissingAttributeError
 from aotbuild.targets import load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline
@@ -179,7 +178,7 @@ def test_refusals_name_the_cause(pipes):
     with pytest.raises(ShapeNotSupportedError, match=f"^{key} key 'ip_adapter_masks' is not an input of the "
                                                      f"compiled {name}"):
         run(compiled, **size, **{key: {"ip_adapter_masks": torch.ones(1)}})
-    with pytest.raises(MissingAttributeError, match=f"^{name} is compiled by aotbuild and has no attribute "
+    with pytest.raises(aotbuild.MissingAttributeError, match=f"^{name} is compiled by aotbuild and has no attribute "
                                                     f"'time_embedding'") as info:
         denoiser(compiled).time_embedding  # noqa: B018
     assert isinstance(info.value, AttributeError) and not hasattr(compiled.vae, "decoder_only_thing")

@@ -315,7 +315,8 @@ def finetune(tmp_path_factory, tiny_target) -> Path:
     return folder
 
 
-SERVED = {"cpus": 0.5, "lora_slots": 1, "batch_wait_s": 0.3}  # one slot: a second adapter unloads the first
+# One slot: a second adapter unloads the first. /health with what a replica serves and its counts.
+SERVED = {"cpus": 0.5, "lora_slots": 1, "batch_wait_s": 0.3, "health_details": True}
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +395,7 @@ def test_a_replica_starts_from_a_hub_artifact(served, built, http_port, monkeypa
             app("hf://team/tiny-sdxl-aot", cpus=0.5)
         start = time.perf_counter()
         # The branch is resolved by the driver: every replica loads that commit.
-        deploy(app("hf://team/tiny-sdxl-aot", cpus=0.5, trust_remote_code=True), "hub", "/hub")
+        deploy(app("hf://team/tiny-sdxl-aot", cpus=0.5, trust_remote_code=True, health_details=True), "hub", "/hub")
         url = f"http://127.0.0.1:{http_port}/hub"
         status, _, png = _post(url, body, "2-step image")
         LATENCIES["hf:// deploy to first image (download, load, generate)"] = [time.perf_counter() - start]
@@ -453,7 +454,7 @@ def test_a_served_video_is_the_mp4_aotbuild_run_writes(tmp_path_factory, http_po
 
     imageio = pytest.importorskip("imageio.v3")
     built = build_once(tmp_path_factory, load_target(TARGETS / "cpu-tiny-wan.toml"))
-    deploy(app(str(built.folder), cpus=0.5), "video", "/video")
+    deploy(app(str(built.folder), cpus=0.5, health_details=True), "video", "/video")
     url = f"http://127.0.0.1:{http_port}/video"
     try:
         body = {"prompt": "a red fox running", "steps": 2, "seed": 3, "frames": 5, "height": 32, "width": 32}
@@ -891,7 +892,9 @@ def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
                 url = seen[-1].split(" at ")[1].split()[0]
         assert url == f"http://127.0.0.1:{http_port}/", "".join(seen)
         status, _, body = request(url + "health")
-        assert status == 200 and json.loads(body)["status"] == "ready"
+        assert status == 200 and set(json.loads(body)) == {"status", "replica"}  # no --health-details
+        assert json.loads(body)["status"] == "ready"
+        assert request(url + "v1/images/generations/health")[0] == 404  # routed exactly, not by suffix
         status, headers, png = _post(url, {"prompt": "a red fox", "steps": 1}, "1-step image")
         assert status == 200 and headers["content-type"] == "image/png"
         assert _pixels(png).shape == (64, 64, 3)

@@ -32,6 +32,7 @@ from aotbuild.errors import (
     IncompatibleArtifactError,
     NoMatchingVariantError,
     ShapeNotSupportedError,
+    SourceError,
     UnsupportedCallError,
     UntrustedCodeError,
     WeightsMismatchError,
@@ -415,6 +416,35 @@ def test_a_package_replaced_after_its_check_never_fills_the_cache(artifact_copy,
     assert not entry.exists() or not list(entry.rglob("planted.txt"))
 
 
+def test_an_extraction_another_process_completes_between_two_looks_is_kept(tmp_path, monkeypatch):
+    """Two replicas starting together on one node: this one finds no marker; the other renames its
+    complete extraction into place; this one then finds the folder. It is the other's, whole: kept
+    and used, never removed as unmarked (the other process would load from a removed folder)."""
+    from aotbuild.runtime import cache
+
+    monkeypatch.setenv("AOTBUILD_CACHE", str(tmp_path / "cache"))
+    package = tmp_path / "model.pt2"
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr("model/data/aotinductor/b1/model.so", b"compiled")
+    sha = hashlib.sha256(package.read_bytes()).hexdigest()
+    root = cache.private_dir(cache.package_cache_dir())
+    theirs = root / f".{sha[:16]}-theirs"
+    theirs.mkdir()
+    cache._extract(package, sha, theirs)
+    (theirs / "extracted-by").write_text("the other process")
+    folder, is_file = root / sha, Path.is_file
+
+    def look(path):
+        found = is_file(path)
+        if path == folder / cache.COMPLETE and not folder.exists():  # the other process finishes now
+            os.rename(theirs, folder)
+        return found
+
+    monkeypatch.setattr(Path, "is_file", look)
+    assert cache.extracted_package(package, sha) == folder
+    assert (folder / "extracted-by").read_text() == "the other process" and (folder / cache.COMPLETE).is_file()
+
+
 @slow
 def test_weights_replaced_after_their_check_are_not_the_ones_bound(artifact_copy, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
@@ -490,6 +520,83 @@ def test_a_hub_load_resolves_the_revision_once(built, monkeypatch):
 
 # -- Trust ----------------------------------------------------------------------------------------
 
+def _written_manifest(folder: Path, change=None) -> Path:
+    """A manifest of the structure aotbuild writes (files present, hashed), changed by `change`."""
+    from aotbuild.manifest import environment, write_manifest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name in ("unet.pt2", "unet.safetensors"):
+        (folder / name).write_bytes(name.encode())
+        files[name] = {"bytes": len(name), "sha256": hashlib.sha256(name.encode()).hexdigest()}
+    manifest = {"schema": 3, "target": {"name": "t", "pipeline": "StableDiffusionXLPipeline", "device": "cpu",
+                                        "dtype": "float32", "shapes": [], "optimize": {}},
+                "source": {"id": "random:tiny-sdxl"}, "environment": environment("cpu"),
+                "optimizations": {"passes": {}}, "runtime": {}, "files": files,
+                "components": {"unet": {"attribute": "unet", "package": "unet.pt2", "weights": "unet.safetensors",
+                                        "dtype": "float32", "config": {}, "constants": {},
+                                        "variants": [{"name": "b1_64x64", "inputs": []}]}}}
+    if change:
+        change(manifest)
+    write_manifest(folder, manifest)
+    return folder
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda m: m.pop("environment"), "the manifest lacks 'environment'"),
+    (lambda m: m["environment"].pop("device_type"), "its environment lacks 'device_type'"),
+    (lambda m: m["files"]["unet.pt2"].update(bytes="9"), "file 'unet.pt2' has 'bytes' that is not an integer"),
+    (lambda m: m["components"]["unet"]["variants"].append({"inputs": []}),
+     "a variant of component 'unet' lacks 'name'"),
+    (lambda m: m["files"].pop("unet.pt2"), r"component unet's package 'unet.pt2' is not among its files"),
+], ids=["section", "key", "type", "variant", "unhashed package"])
+def test_a_damaged_manifest_is_named_by_load_and_verify(tmp_path, change, problem):
+    """A manifest missing a section or a key, or holding another type, is one error naming it
+    (a KeyError before); a package the manifest lists no hash for is refused, not hashed against
+    itself and trusted."""
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+
+    folder = _written_manifest(tmp_path / "artifact", change)
+    with pytest.raises(CorruptArtifactError, match=rf"manifest.json is damaged: {problem}"):
+        aotbuild.load_pipeline(folder)
+    result = CliRunner().invoke(main, ["verify", str(folder)])
+    assert result.exit_code == 1, result.output
+    assert re.search(rf"^error: .*is damaged: {problem}", result.output, re.M), result.output
+    assert "Traceback" not in result.output
+
+
+def test_weights_naming_a_folder_that_is_not_there_say_so(tmp_path):
+    """`--weights /no/such/folder` was reported as a malformed Hub repo id; a path is a path. And
+    every error a user can catch is importable from `aotbuild`."""
+    folder = _written_manifest(tmp_path / "artifact")
+    for missing in ("/no/such/folder", "./finetune", "~/nowhere/finetune", "runs/7/finetune"):
+        with pytest.raises(SourceError, match=rf"^{re.escape(missing)}: no such folder") as info:
+            aotbuild.load_pipeline(folder, weights=missing)
+        assert "org/name[@revision]" in info.value.hint
+    errors = [name for name in aotbuild.__all__ if isinstance(getattr(aotbuild, name), type)
+              and issubclass(getattr(aotbuild, name), aotbuild.AotbuildError)]
+    assert "MissingAttributeError" in errors and issubclass(aotbuild.MissingAttributeError, AttributeError)
+
+
+def test_names_and_guards_a_manifest_gives_the_runtime_are_checked_before_use(tmp_path):
+    """A variant's model name is a folder of the package, nothing more (`../x` or a pattern is
+    refused before anything is extracted); a guard that is not integer arithmetic on sizes fails
+    the load naming it, never a call (where it raised the build's error)."""
+    from aotbuild.runtime import open_model
+    from aotbuild.runtime.variant import CompiledVariant, LoadContext
+
+    for name in ("../../etc", "*", "b1/../../x", ""):
+        with pytest.raises(CorruptArtifactError, match=r"names a compiled model .*, not a plain folder name"):
+            open_model(tmp_path / "unet.pt2", "0" * 64, name, torch.device("cpu"))  # no such file: never read
+    for guard in ("__import__('os').system('true')", "s0 >", "s0.real > 1"):
+        entry = {"name": "dynamic", "inputs": [], "guards": ["s0 % 32 > 0", guard]}
+        with pytest.raises(CorruptArtifactError, match=r"variant dynamic: the manifest records a shape guard "
+                                                       r"aotbuild cannot check"):
+            CompiledVariant.__new__(CompiledVariant)._init_signature(entry, LoadContext("cpu"))
+
+
 def test_native_code_from_the_hub_needs_trust_remote_code(tmp_path):
     """Refused before anything is downloaded (no Hub is reachable here), naming the repo and the flag."""
     for call in (lambda: aotbuild.load_pipeline("hf://someone/sdxl-aot"),
@@ -521,7 +628,7 @@ def test_a_package_that_would_unpack_past_its_cap_is_refused(tmp_path, monkeypat
 
 
 @slow
-def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built, monkeypatch):
+def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built, monkeypatch, caplog):
     """The HTTP handler in-process (as a replica runs it): every refusal is a 4xx with the reason and
     a request id, a failure is a 500 with the id and no exception text, and no response carries a
     machine path."""
@@ -550,8 +657,24 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
         return response.status_code, dict(response.headers), response.body
 
     status, headers, body = call("GET", "/health")
+    assert status == 200 and set(json.loads(body)) == {"status", "replica"}  # no pid, memory, adapters by default
+    server.health_details = True  # `aotbuild serve --health-details`
+    status, headers, body = call("GET", "/health")
     health = json.loads(body)
     assert status == 200 and health["artifact"] == built.folder.name and str(built.folder) not in body.decode()
+    assert {"pid", "rss_mib", "served"} <= set(health)
+    for method, path, status, words in [
+            ("GET", "/healthz", 404, "no such route: GET /healthz"),
+            ("GET", "/v1/images/generations/health", 404, "no such route: GET"),  # routed exactly, not by suffix
+            ("POST", "/x/v1/images/generations", 404, "no such route: POST"),
+            ("POST", "/health", 405, "POST /health: this route takes GET"), ("GET", "/", 405, "this route takes POST")]:
+        answered = call(method, path)
+        assert answered[0] == status and words in json.loads(answered[2])["error"], (method, path, answered)
+    assert "answers POST /, POST /v1/images/generations, POST /v1/images/edits, GET /health" in json.loads(
+        call("GET", "/nowhere")[2])["error"]
+    for edit, field in [({"prompt": "a fox", "image": None}, "image"), ({"prompt": "a fox"}, "image")]:
+        status, _, body = call("POST", "/v1/images/edits", json.dumps(edit).encode())
+        assert status == 400 and f"field '{field}' is required" in json.loads(body)["error"]["message"]
     cases = [
         (json.dumps({"prompt": "a fox", "height": 65536, "width": 65536}).encode(), 422,
          "no compiled variant makes 1 image(s) at 65536x65536 px with guidance; this artifact covers: 64x64 px"),
@@ -567,6 +690,34 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
         assert (status, answer["request"]) == (expected_status, headers["x-aotbuild-request"]), answer
         assert message in answer["error"]
         assert time.perf_counter() - start < 2  # refused before anything was allocated or computed
+
+    # The pipeline's own input checks refusing a call: 422 in its words. Any other ValueError inside the
+    # call is the server's failure: 500, its traceback logged under the request id.
+    async def batched(call):  # Ray Serve's batching needs a replica: here each request is a batch of one
+        return (await server._made([call]))[0]
+
+    monkeypatch.setattr(server, "_batched", batched)
+    original = server.pipe.check_inputs
+
+    def check_inputs(*args, **kwargs):  # diffusers' own check, of a size it refuses
+        return original(*args[:2], 63, *args[3:], **kwargs)
+
+    monkeypatch.setattr(server.pipe, "check_inputs", check_inputs)
+    status, _, body = call("POST", "/", b'{"prompt": "a fox", "steps": 1}')
+    assert status == 422 and "have to be divisible by 8 but are 63 and 64" in json.loads(body)["error"], body
+    monkeypatch.setattr(server.pipe, "check_inputs", original)
+
+    def internal(*args, **kwargs):
+        raise ValueError("an internal shape bug")
+
+    prepare_latents = server.pipe.prepare_latents
+    monkeypatch.setattr(server.pipe, "prepare_latents", internal)
+    with caplog.at_level(logging.ERROR, logger="aotbuild.serve"):
+        status, headers, body = call("POST", "/", b'{"prompt": "a fox", "steps": 1}')
+    assert status == 500 and "internal shape bug" not in body.decode(), body
+    assert any(headers["x-aotbuild-request"] in r.getMessage() and "internal shape bug" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setattr(server.pipe, "prepare_latents", prepare_latents)
 
     def broken(calls):
         raise RuntimeError(f"secret detail from {built.folder}")
@@ -624,6 +775,68 @@ def test_tf32_is_set_for_a_block_and_restored():
     with tf32(True):
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     assert not torch.backends.cuda.matmul.allow_tf32
+
+
+def test_tf32_blocks_of_two_threads_closing_out_of_order_leave_the_flags_as_found():
+    """Two loads' calls, each in its own thread with its own lock: entered A, B, closed A, B (each
+    block saved and restored the flags itself: A restored off under B, B then restored A's on, for
+    the rest of the process). And a build's float32 reference inside its TF32 block."""
+    from aotbuild.runtime.variant import tf32
+
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    before, steps, seen = flags(), [threading.Event() for _ in range(3)], {}
+    assert not before[0]  # torch's default (cudnn's is on)
+
+    def first():
+        with tf32(True):
+            steps[0].set()
+            steps[1].wait(10)
+        seen["after A closed"] = torch.backends.cuda.matmul.allow_tf32
+        steps[2].set()
+
+    def second():
+        steps[0].wait(10)
+        with tf32(True):
+            steps[1].set()
+            steps[2].wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == {"after A closed": True}  # B's block is still open
+    assert flags() == before
+    with tf32(True):
+        with tf32(False):
+            assert flags() == (False, False)
+        assert flags() == (True, True)
+    assert flags() == before
+
+
+def test_a_swap_whose_second_rename_fails_puts_the_previous_artifact_back(tmp_path, monkeypatch):
+    """The previous artifact is parked, then the new one renamed into place: when that rename
+    fails (a full disk, a permission), the previous one is back at once, not left parked under
+    .staging/ with artifacts/<target> empty until the next build."""
+    from aotbuild.builder import transaction
+
+    folder, new, staging = tmp_path / "cpu-tiny-sdxl", tmp_path / "new", tmp_path / ".staging"
+    for path, text in ((folder, "previous"), (new, "new")):
+        path.mkdir()
+        (path / "manifest.json").write_text(text)
+    staging.mkdir()
+    rename = os.rename
+
+    def failing(source, destination):
+        if Path(source) == new:
+            raise OSError(28, "No space left on device")
+        rename(source, destination)
+
+    monkeypatch.setattr(transaction.os, "rename", failing)
+    with pytest.raises(OSError, match="No space left"):
+        transaction.replace_folder(new, folder, staging)
+    assert (folder / "manifest.json").read_text() == "previous"
+    assert list(staging.iterdir()) == []  # nothing parked
 
 
 def test_a_random_source_leaves_the_callers_random_state(tiny_target):

@@ -187,6 +187,10 @@ def _record_relations(entry: dict[str, Any], program: torch.export.ExportedProgr
             dim["expr"] = size
     dims = [leaf.get("dims", leaf.get("shape")) for leaf in entry["inputs"] if "value" not in leaf]
     guards = export.shape_guards(program)
+    if uncheckable := shapes.uncheckable_guard(guards):
+        raise BuildError(f"{component} {entry['name']}: the exported program assumes {uncheckable} of its input "
+                         f"sizes, which aotbuild cannot check at call time (not integer arithmetic on them)",
+                         hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
     if guards:
         entry["guards"] = guards
     if not shapes.relations_hold(dims, _tensor_shapes(call), guards):

@@ -114,12 +114,19 @@ def _lock_holder(path: Path) -> str:
 def replace_folder(new: Path, folder: Path, staging_dir: Path) -> None:
     """Move the complete `new` folder to `folder`, replacing what was there. The previous artifact
     is parked as `old-*/artifact` in the target's staging folder for the instant between the two
-    renames; a build killed right there gets it back from `recover_stale_staging`."""
+    renames; a build killed right there gets it back from `recover_stale_staging`, and one whose
+    second rename fails puts it back at once (then raises the failure)."""
     old = None
     if folder.exists():
         old = Path(tempfile.mkdtemp(prefix="old-", dir=staging_dir))
         os.rename(folder, old / "artifact")
-    os.rename(new, folder)
+    try:
+        os.rename(new, folder)
+    except BaseException:
+        if old is not None and not folder.exists():
+            os.rename(old / "artifact", folder)
+            old.rmdir()
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

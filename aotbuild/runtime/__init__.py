@@ -23,12 +23,12 @@ from .cache import (
 )
 from .component import CompiledComponent, Config, variant_coverage
 from .graphs import CudaGraph, GraphPool
-from .load import apply, artifact_folder, load_components, load_pipeline
+from .load import apply, artifact_folder, check_fit, load_components, load_pipeline
 from .variant import CompiledVariant, leaf_name, leaf_signature, open_model
 from .weights import load_weights
 
 __all__ = [
-    "CompiledComponent", "CompiledVariant", "Config", "CudaGraph", "GraphPool", "apply", "artifact_folder",
+    "CompiledComponent", "CompiledVariant", "Config", "CudaGraph", "GraphPool", "apply", "artifact_folder", "check_fit",
     "check_artifact_files", "clear_package_cache", "extracted_package", "load_components", "load_pipeline",
     "load_weights", "leaf_name", "leaf_signature", "open_model", "package_cache_dir", "package_cache_usage",
     "variant_coverage",

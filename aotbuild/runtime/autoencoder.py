@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from ..errors import AotbuildError, UnsupportedCallError
+from ..errors import AotbuildError, MissingAttributeError, UnsupportedCallError
 from ..pipelines import FRAMEWISE_VAES, vae_factor
 from ..private_apis import IncompatibleKeys
 from .checkpoint import module_tensors
-from .component import CompiledComponent, Config, MissingAttributeError, key_differences
+from .component import CompiledComponent, Config, key_differences
 from .guards import StandIn
 
 # AutoencoderKL's methods run as they are on the stand-in: each calls `self.encoder(x)` /

@@ -86,8 +86,12 @@ def extracted_package(package: Path, sha256: str) -> Path:
         folder = root / sha256
         if (folder / COMPLETE).is_file():
             return folder
-        if folder.is_dir():  # unmarked: never renamed into place by an extraction, so not trusted
-            _remove_entry(folder)
+        if folder.is_dir():
+            # An extraction is renamed into place whole, marker included: seen now, it arrived
+            # since the first look (another process finished first) and is complete.
+            if (folder / COMPLETE).is_file():
+                return folder
+            _remove_entry(folder)  # unmarked: never renamed into place by an extraction, so not trusted
         staging = Path(tempfile.mkdtemp(prefix=f".{sha256[:16]}-", dir=root))
     except OSError:  # read-only home in a container
         return _private_extraction(package, sha256)

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from ..errors import AotbuildError, ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
+from ..errors import (
+    AotbuildError,
+    MissingAttributeError,
+    ShapeNotSupportedError,
+    UnsupportedCallError,
+    WeightsMismatchError,
+)
 from ..manifest import DTYPES
 from ..pipelines import EDITS_SEVERAL, SIZED_BY_IMAGE, TEXT, frames_around, pipeline_spec
 from ..private_apis import IncompatibleKeys, pytree
@@ -400,18 +406,6 @@ def key_differences(component: str, state_dict: Mapping[str, torch.Tensor], eage
         raise WeightsMismatchError(f"{component}.load_state_dict(strict=True): {'; '.join(problems)}; nothing was "
                                    f"loaded")
     return missing, unexpected
-
-
-class MissingAttributeError(AotbuildError, AttributeError):
-    """An attribute the eager module has and aotbuild's stand-in does not keep. An AttributeError
-    too, so `hasattr` and `getattr(..., default)` in diffusers keep working."""
-
-    def __init__(self, component: str, name: str, message: str | None = None, hint: str | None = None) -> None:
-        super().__init__(message or f"{component} is compiled by aotbuild and has no attribute {name!r}: the "
-                                    f"stand-in keeps the config, dtype, device, the attributes the pipeline reads "
-                                    f"and the calls it makes",
-                         hint=hint or "call it on an eager pipeline, or load the artifact with eager_fallback=True "
-                                      "for calls the compiled code does not cover")
 
 
 def _images(low: int, high: int, what: str = "image") -> str:

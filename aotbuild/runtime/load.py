@@ -8,7 +8,6 @@ import functools
 import importlib
 import logging
 import os
-import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -17,10 +16,18 @@ from typing import Any
 
 import torch
 
-from ..errors import AotbuildError, ArtifactError, SourceError
+from ..errors import AotbuildError, ArtifactError, IncompatibleArtifactError, SourceError, TargetError
 from ..hub import check_trusted
-from ..manifest import DTYPES, check_compatible, check_libraries, read_manifest, sha256_file, validated_with_tf32
-from ..pipelines import pipeline_spec
+from ..manifest import (
+    DTYPES,
+    check_compatible,
+    check_libraries,
+    library_versions,
+    read_manifest,
+    sha256_file,
+    validated_with_tf32,
+)
+from ..pipelines import PipelineSpec, pipeline_spec
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
 from .checkpoint import checkpoint_constants, module_tensors
@@ -103,6 +110,32 @@ def _import_custom_ops(namespaces: list[str]) -> None:
                                 f"is not installed", hint=f"pip install {namespace}") from None
 
 
+def check_fit(manifest: dict[str, Any], *, device: str | torch.device | None = None,
+              dtype: str | None = None) -> PipelineSpec:
+    """Everything a load checks of an artifact against this machine before it reads a file of it
+    (`aotbuild verify` says the same): torch, device, CPU or GPU (`manifest.check_compatible`),
+    the libraries a regional artifact runs (`check_libraries`), the packages whose operators its
+    compiled code calls, and its pipeline class in the installed diffusers. Returns that
+    pipeline's spec.
+
+    Raises:
+        IncompatibleArtifactError, AotbuildError: naming what does not fit and what would.
+    """
+    check_compatible(manifest, device=device, dtype=dtype)
+    check_libraries(manifest)
+    for entry in manifest["components"].values():
+        _import_custom_ops(entry.get("custom_ops", []))
+    pipeline = manifest["target"]["pipeline"]
+    try:
+        return pipeline_spec(pipeline)
+    except TargetError:
+        built = (manifest["environment"].get("libraries") or {}).get("diffusers")
+        raise IncompatibleArtifactError(
+            "diffusers", library_versions()["diffusers"], built,
+            hint=f"this artifact's pipeline, {pipeline}, is not in the installed diffusers: install the diffusers it "
+                 f"was built with" + (f" (pip install diffusers=={built})" if built else "")) from None
+
+
 @_quietly
 def load_components(folder: str | os.PathLike, *, device: str | torch.device | None = None,
                     dtype: str | None = None, eager: dict[str, torch.nn.Module] | None = None,
@@ -134,8 +167,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     folder = Path(folder)
     manifest = read_manifest(folder)
     device = torch.device(device or manifest["environment"]["device_type"])
-    check_compatible(manifest, device=device, dtype=dtype)
-    check_libraries(manifest)
+    spec = check_fit(manifest, device=device, dtype=dtype)
     if cuda_graphs is None:
         cuda_graphs = manifest["runtime"].get("cuda_graphs", False)
     if cuda_graphs and device.type != "cuda":
@@ -147,14 +179,12 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     install_pipeline_guards()
     modules: dict[str, Any] = {}
     parts: dict[str, tuple[dict, dict[str, CompiledComponent]]] = {}
-    spec = pipeline_spec(manifest["target"]["pipeline"])
     if not manifest.get("pipeline", {}).get("curated", True):
         warnings.warn(f"aotbuild: {spec.class_name} was {manifest['pipeline']['note']}", UncuratedPipelineWarning,
                       stacklevel=3)
     recipe = manifest["target"]["optimize"].get("quantize")
     with open_artifact_files(folder, manifest, verify=verify) as files:
         for name, entry in manifest["components"].items():
-            _import_custom_ops(entry.get("custom_ops", []))
             layouts = entry["constants"].get("layouts", {})
             source = (weights or {}).get(name)
             # The weights as the check opened them: the folder may be replaced meanwhile.
@@ -204,8 +234,10 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
         return resolved.folder, resolved
     folder = Path(artifact)
     if not folder.exists():
+        from ..sources import hub_id_form
+
         text = os.fspath(artifact)
-        hub_like = re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w./-]+)?", text) is not None
+        hub_like = hub_id_form(text)
         raise ArtifactError(f"no artifact at {text}: no such folder", hint=(
             f"an artifact on the Hub is named hf://{text} (a diffusers model's repo is a target's source: build "
             f"it first)" if hub_like else
@@ -352,13 +384,17 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
 def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str]) -> Path:
     """A user's source: a local diffusers folder, or a Hub id with an optional @revision,
     downloaded without the `skip` components' weights."""
-    from ..sources import resolve_folder
+    from ..sources import hub_id_form, resolve_folder
 
     text = os.fspath(text)
     if Path(text).expanduser().is_file():
         raise SourceError(f"{text} is a single file; weights= takes a diffusers folder or a Hub id",
                           hint="convert it first, e.g. diffusers' from_single_file(...).save_pretrained(folder)")
-    repo, _, revision = (text, "", "") if Path(text).expanduser().exists() else text.partition("@")
+    local = Path(text).expanduser().exists()
+    if not local and not hub_id_form(text):
+        raise SourceError(f"{text}: no such folder", hint="give a diffusers folder on this machine (one holding "
+                                                          "model_index.json), or a Hub id as org/name[@revision]")
+    repo, _, revision = (text, "", "") if local else text.partition("@")
     return resolve_folder(repo, revision or None, Path.cwd(), skip, dtype=manifest["target"]["dtype"])
 
 

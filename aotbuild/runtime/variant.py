@@ -4,6 +4,7 @@ was compiled for, the checks AOTInductor does not make, and calling it."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,12 +15,15 @@ import torch
 
 from ..errors import AotbuildError, CorruptArtifactError
 from ..private_apis import aoti_runner, pytree
-from ..shapes import failed_guard, infer_size, relations_hold, solve
+from ..shapes import failed_guard, infer_size, relations_hold, solve, uncheckable_guard
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
 from .prepared import PreparedConstants
 from .weights import Lender, bindable, contiguous_strides, dtype_name
 
+# A compiled model's name in its package (a variant's, `b1_64x64`; a region's, `r0_dynamic`): one folder
+# name, so no manifest can point a load outside the package or at several models with a pattern.
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 SIZES_REMEMBERED = 64  # calls' size sets whose fit a variant keeps (a dynamic model sees many)
 
 
@@ -58,6 +62,9 @@ def open_model(package: Path, sha256: str, name: str, device: torch.device) -> A
 
     `sha256` must be the package's hash as checked by the caller.
     """
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):  # read from the manifest: a folder's name
+        raise CorruptArtifactError(f"{package}: the manifest names a compiled model {name!r}, not a plain folder name "
+                                   f"of the package")
     folder = extracted_package(package, sha256)
     if next(folder.glob(f"*/data/aotinductor/{name}/*.so"), None) is None:
         raise CorruptArtifactError(f"{package}: no compiled library for variant {name}")
@@ -120,16 +127,40 @@ class LoadContext:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
 
+# The process's open `tf32` blocks (their wish, in the order they were entered) and the flags as
+# they were before the first: the flags are process-wide, the blocks may be in several threads.
+_TF32_LOCK = threading.Lock()
+_TF32_OPEN: dict[object, bool] = {}
+_TF32_BEFORE: list[tuple[bool, bool]] = []
+
+
+def _set_tf32(matmul: bool, cudnn: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
 @contextlib.contextmanager
 def tf32(enabled: bool) -> Iterator[None]:
-    """TF32 matmuls and convolutions on CUDA (`enabled`) within the block, the flags as they were
-    after it: a build or a compiled call never changes them for the rest of the process."""
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    """TF32 matmuls and convolutions on CUDA (`enabled`) within the block. The flags are the
+    process's: while blocks are open, they follow the one entered last that is still open (a
+    build's float32 reference inside its TF32 build; the calls of two loads in two threads); when
+    the last closes, they are as they were before the first, whatever order the blocks close in.
+    A build or a compiled call never changes them for the rest of the process."""
+    token = object()
+    with _TF32_LOCK:
+        if not _TF32_OPEN:
+            _TF32_BEFORE[:] = [(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)]
+        _TF32_OPEN[token] = enabled
+        _set_tf32(enabled, enabled)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        with _TF32_LOCK:
+            del _TF32_OPEN[token]
+            if _TF32_OPEN:
+                latest = next(reversed(_TF32_OPEN.values()))
+                _set_tf32(latest, latest)
+            else:
+                _set_tf32(*_TF32_BEFORE.pop())
 
 
 class LossyInputError(AotbuildError):
@@ -170,6 +201,10 @@ class CompiledVariant:
         self.name = entry["name"]
         self.entry = entry
         self.inputs = entry["inputs"]
+        if guard := uncheckable_guard(entry.get("guards", ())):  # never at a call: a damaged manifest
+            raise CorruptArtifactError(f"variant {self.name}: the manifest records a shape guard aotbuild cannot "
+                                       f"check, {guard!r} (a build writes integer arithmetic on sizes only)",
+                                       hint="rebuild the artifact, or pull it again")
         # What each leaf of a call must be, read once from the manifest: a tensor (of this static
         # shape, None where dims vary) or this value's repr (a pipeline calls every step).
         self._leaf_checks = [("value" not in e, e.get("value"),
