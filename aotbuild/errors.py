@@ -54,11 +54,11 @@ class IncompatibleArtifactError(ArtifactError):
 
 class WeightsMismatchError(IncompatibleArtifactError):
     """Weights given for an artifact's compiled code are of another architecture (a tensor missing,
-    another shape, or one the code does not read)."""
+    another shape, or one the code does not read), or their config differs where it is compiled."""
 
-    def __init__(self, message: str) -> None:
-        ArtifactError.__init__(self, message, hint="use weights of the architecture the artifact was built for, "
-                                                   "or build a target for these weights")
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        ArtifactError.__init__(self, message, hint=hint or "use weights of the architecture the artifact was built "
+                                                           "for, or build a target for these weights")
         self.field, self.found, self.expected = "weights", None, None
 
 

@@ -25,7 +25,16 @@ from .errors import (
     NoMatchingVariantError,
     UntrustedCodeError,
 )
-from .manifest import MANIFEST_NAME, check_compatible, check_relative_path, environment, read_manifest, verify_files
+from .manifest import (
+    MANIFEST_FIELDS,
+    MANIFEST_NAME,
+    check_compatible,
+    check_relative_path,
+    environment,
+    missing_field,
+    read_manifest,
+    verify_files,
+)
 
 INDEX_NAME = "index.json"
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")  # target/variant, nothing else
@@ -34,13 +43,28 @@ PUSH_ATTEMPTS = 5  # commits refused because another push landed first are redon
 HF_PREFIX = "hf://"
 
 
+# What choosing a variant reads of each index.json entry, with its JSON type.
+INDEX_FIELDS = {"path": str, "target": str, "pipeline": str, "dtype": str, "environment": dict}
+
+
 def _read_index(path: Path) -> dict[str, Any]:
+    """The repo's index.json, its structure checked: a malformed one is said to be, not reported
+    as a failed fetch."""
     try:
         index = json.loads(path.read_text())
-        assert isinstance(index.get("variants"), list)
-        return index
-    except (ValueError, AssertionError, AttributeError):
-        raise HubError(f"{path.name} of this repo is not an aotbuild index") from None
+    except ValueError:
+        index = None
+    if not isinstance(index, dict) or not isinstance(index.get("variants"), list):
+        raise HubError(f"{path.name} of this repo is not an aotbuild index (no list of variants)")
+    for i, entry in enumerate(index["variants"]):
+        problem = missing_field(entry, INDEX_FIELDS)
+        if problem is None and isinstance(entry["environment"], dict):
+            problem = missing_field(entry["environment"], MANIFEST_FIELDS["environment"])
+            problem = problem and f"has an environment that {problem}"
+        if problem:
+            raise HubError(f"{path.name} of this repo is malformed: its variant {i} {problem}",
+                           hint="push a variant again (aotbuild push rewrites the index), or tell the repo's owner")
+    return index
 
 
 def check_trusted(artifact: str | os.PathLike, trust_remote_code: bool) -> None:
@@ -181,10 +205,14 @@ def model_card(repo_id: str, index: dict[str, Any]) -> str:
         lines.append(f"| `{v['path']}` | {v['pipeline']} | {device} | {env['torch']} | {v['dtype']} | {shapes} | "
                      f"{', '.join(['dtype', *v['recipe']])} | {num(v['max_rel_error'])} | "
                      f"{num(bench.get('first_image_s'))} | {num(bench.get('steady_step_s'))} |")
-    lines += ["", "## Usage", "", "```python", "import aotbuild", "",
-              f'pipe = aotbuild.load_pipeline("hf://{repo_id}")  # picks the variant that fits this machine',
+    lines += ["", "## Usage", "",
+              "Each variant holds native code (compiled libraries) that loading runs in your process: load it "
+              "only if you trust this repo, and say so.", "", "```python", "import aotbuild", "",
+              "# picks the variant that fits this machine",
+              f'pipe = aotbuild.load_pipeline("hf://{repo_id}", trust_remote_code=True)',
               'image = pipe("a red fox in the snow").images[0]', "```", "",
-              f"or `aotbuild pull {repo_id}` to download the fitting variant into the Hugging Face cache.", ""]
+              f"or `aotbuild pull {repo_id} --trust-remote-code` to download the fitting variant into the Hugging "
+              f"Face cache.", ""]
     return "\n".join(lines)
 
 

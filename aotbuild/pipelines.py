@@ -144,6 +144,10 @@ class ComponentSpec:
         random_call: example inputs at (batch, height, width) pixels, for calls the
             text-to-image pipeline does not make (encoding, tiles); None: always recorded.
         recorded: the text-to-image pipeline calls it, so its inputs are recorded there.
+        runtime_config: the config keys of its module that no compiled code reads (the
+            pipeline or the stand-in does: `VAE_RUNTIME_CONFIG`), with who reads them; another
+            checkpoint's values of these are used. Every other key is compiled into the code, and
+            another checkpoint must hold the artifact's value (`checkpoint.checkpoint_config`).
     """
 
     name: str
@@ -157,6 +161,7 @@ class ComponentSpec:
     part: str | None = None
     random_call: Callable[[torch.nn.Module, int, int, int, torch.Generator], CallInputs] | None = None
     recorded: bool = True
+    runtime_config: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,30 @@ TRANSFORMER = ComponentSpec(
     denoiser=True,
 )
 
+# The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
+# reads them. Every other key (block_out_channels, norm_num_groups, act_fn, ...) shapes the compiled
+# graph: a checkpoint differing there is refused. A denoiser has none: its pipeline reads only keys
+# that shape its graph (in_channels, patch_size, guidance_embeds, sample_size for the default size).
+VAE_RUNTIME_CONFIG = {
+    "scaling_factor": "the pipeline scales latents by it",
+    "shift_factor": "the pipeline shifts latents by it",
+    "latents_mean": "the pipeline normalizes latents with it",
+    "latents_std": "the pipeline normalizes latents with it",
+    "force_upcast": "the pipeline upcasts a float16 VAE by it",
+    "sample_size": "the stand-in's tiles are cut at it (checked against the tile models at each call)",
+    "batch_norm_eps": "FLUX.2's pipeline normalizes latents with the VAE's statistics and it",
+    "batch_norm_momentum": "training only",
+    "dropout": "training only",
+}
+# Keys of those that decide what is compiled in a target of a dtype: a float16 target keeps a VAE
+# whose force_upcast is set in float32.
+COMPILED_AT_DTYPE = {"float16": ("force_upcast",)}
+
+def runtime_config_keys(component: ComponentSpec, dtype: str) -> set[str]:
+    """The config keys of a component that no compiled code of a target of `dtype` reads."""
+    return set(component.runtime_config) - set(COMPILED_AT_DTYPE.get(dtype, ()))
+
+
 VAE_DECODER = ComponentSpec(
     name="vae_decoder",
     attribute="vae",
@@ -249,6 +278,7 @@ VAE_DECODER = ComponentSpec(
     output_class=None,
     part="decoder",
     random_call=_random_latents,
+    runtime_config=VAE_RUNTIME_CONFIG,
 )
 
 VAE_ENCODER = dataclasses.replace(VAE_DECODER, name="vae_encoder", method="encode", export_module=VaeEncoderModule,

@@ -895,6 +895,8 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
                             f"are at least 1, batch_wait_s ({batch_wait_s}) at least 0")
     if checkpoints and artifact is None:
         raise AotbuildError("--weights serves other checkpoints through an artifact (the aot backend)")
+    if checkpoints and not artifact.startswith("hf://"):
+        _check_checkpoints(Path(artifact), checkpoints)
     env_vars = {**spin_env(), **forwarded_env(), **(env or {})}
     actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env_vars}}
     if gpu_type:
@@ -918,6 +920,22 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=1000)
     return front.bind(model, tuple(loras or ()), tuple(checkpoints or ()))
+
+
+def _check_checkpoints(artifact: Path, checkpoints: dict[str, str]) -> None:
+    """Each local checkpoint a server may load fits the artifact's compiled code, by its configs
+    (`runtime.load.check_weights_config`), before any replica starts; a Hub one is checked when a
+    request first asks for it."""
+    from .manifest import read_manifest
+    from .runtime.load import check_weights_config
+
+    manifest = read_manifest(artifact)
+    for name, source in checkpoints.items():
+        if Path(source).is_dir():
+            try:
+                check_weights_config(manifest, Path(source), source)
+            except AotbuildError as exc:
+                raise AotbuildError(f"--weights {name}: {exc.message}", hint=exc.hint) from None
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:

@@ -85,7 +85,12 @@ def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
     assert [v["path"] for v in index["variants"]] == [prefix]
     card = files["README.md"].decode()
     assert card.startswith("---\nlibrary_name: aotbuild\ntags:") and f"| `{prefix}` |" in card
-    assert f'load_pipeline("hf://{REPO}")' in card
+    # The card shows what works: its commands run as written (the code refuses a Hub artifact's native
+    # code without trust_remote_code).
+    assert f'load_pipeline("hf://{REPO}", trust_remote_code=True)' in card
+    pull = re.search(r"`(aotbuild pull [^`]+)`", card)[1]
+    pulled = CliRunner().invoke(main, pull.split()[1:], catch_exceptions=False)
+    assert pulled.exit_code == 0 and f" cpu-tiny-sdxl/{HERE}: " in pulled.output, pulled.output
     again = CliRunner().invoke(main, ["push", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--repo", REPO,
                                       "--artifacts", str(built.artifacts)], catch_exceptions=False)
     assert again.exit_code == 0 and (f"nothing changed: {REPO}@{commits[-1]['oid']} already holds {prefix} as it is "
@@ -404,3 +409,24 @@ def test_index_paths_outside_the_repo_are_refused_before_any_download(hub, built
     with pytest.raises(HubError, match=r"index.json names an invalid variant path '\.\./cpu-tiny-sdxl'"):
         resolve(REPO)
     assert {r["path"].rsplit("/", 1)[-1] for r in hub.requests if "/resolve/" in r["path"]} == {"index.json"}
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda index: index["variants"].__setitem__(0, 7), "its variant 0 is not a JSON object"),
+    (lambda index: index["variants"][0].pop("environment"), "its variant 0 lacks 'environment'"),
+    (lambda index: index["variants"][0]["environment"].pop("device_type"),
+     "its variant 0 has an environment that lacks 'device_type'"),
+    (lambda index: index.pop("variants"), "not an aotbuild index"),
+], ids=["entry", "key", "environment", "variants"])
+def test_a_malformed_index_is_said_to_be_not_a_failed_fetch(hub, built, damage, problem):
+    """A hand-edited or damaged index.json was reported as a failed fetch, with a network hint."""
+    from huggingface_hub import HfApi
+
+    push(built.folder, REPO)
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    index = json.loads(Path(api.hf_hub_download(REPO, "index.json")).read_text())
+    damage(index)
+    api.upload_file(path_or_fileobj=json.dumps(index).encode(), path_in_repo="index.json", repo_id=REPO)
+    with pytest.raises(HubError, match=rf"^index.json of this repo .*{problem}") as info:
+        resolve(REPO)
+    assert "fetching" not in info.value.message and "network" not in (info.value.hint or "")

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from aotbuild.cli import main
-from aotbuild.errors import UntrustedCodeError
+from aotbuild.errors import AotbuildError, UntrustedCodeError
 from aotbuild.serve import REQUEST_FIELDS, RequestError, parse_request, request
 from aotbuild.targets import load_target
 
@@ -309,10 +309,25 @@ def loras(tmp_path_factory, tiny_target) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def finetune(tmp_path_factory, tiny_target) -> Path:
-    """Another checkpoint of the tiny SDXL architecture (other random weights), as a diffusers folder."""
+    """Another checkpoint of the tiny SDXL architecture (other random weights, and another VAE
+    scaling factor, which the pipeline reads from the config), as a diffusers folder."""
     folder = tmp_path_factory.mktemp("finetune") / "seed7"
-    eager_pipeline(tiny_target, seed=7).save_pretrained(folder)
+    pipe = eager_pipeline(tiny_target, seed=7)
+    pipe.vae.register_to_config(scaling_factor=0.3)
+    pipe.save_pretrained(folder)
     return folder
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_compiled_config_differs_is_refused_before_replicas_start(built, tiny_target, tmp_path):
+    from aotbuild.serve import app
+
+    pipe = eager_pipeline(tiny_target, seed=7)
+    pipe.unet.register_to_config(norm_eps=1e-3)
+    pipe.save_pretrained(tmp_path / "other")
+    with pytest.raises(AotbuildError, match=r"^--weights other: unet: the weights' config differs from the "
+                                            r"artifact's in 'norm_eps' \(0.001 in the weights, 1e-05 in the artifact"):
+        app(str(built.folder), checkpoints={"other": str(tmp_path / "other")})
 
 
 # One slot: a second adapter unloads the first. /health with what a replica serves and its counts.

@@ -12,7 +12,10 @@ torchao), so a serving machine needs no torchao.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import inspect
+import json
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 
@@ -109,6 +112,48 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
                                    f"first {extra[0]!r} {list(tensors[extra[0]].shape)}: another architecture "
                                    f"than the artifact's ({len(extra)} such tensors)")
     return result
+
+
+# What a config says of itself rather than of the model: never compared.
+CONFIG_METADATA = frozenset({"_diffusers_version", "_name_or_path", "_use_default_values"})
+
+
+def checkpoint_config(component: str, recorded: Mapping[str, Any], given: Mapping[str, Any], model: type,
+                      runtime_keys: Collection[str]) -> dict[str, Any]:
+    """The config a stand-in keeps for another checkpoint (`given`, the config of its `model`
+    class's module, as diffusers loaded it): that checkpoint's own, once every key that is compiled
+    into the code holds the artifact's (`recorded`) value. `runtime_keys` are the keys no compiled
+    code reads (the pipeline or the stand-in does: `ComponentSpec.runtime_config`, less those the
+    target's dtype compiles); every other key counts as compiled. A key one side lacks (another
+    diffusers release) counts as the class's default.
+
+    Raises:
+        WeightsMismatchError: naming each compiled key that differs and both values.
+    """
+    given = {**given, "_class_name": model.__name__}
+    defaults = {name: p.default for name, p in inspect.signature(model.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    unread = CONFIG_METADATA | set(runtime_keys) | ({"_class_name"} if "_class_name" not in recorded else set())
+    differing = []
+    for key in sorted((set(recorded) | set(given)) - unread):
+        ours, theirs = (_as_json(config.get(key, defaults.get(key))) for config in (recorded, given))
+        if ours != theirs:
+            differing.append(f"{key!r} ({json.dumps(theirs)} in the weights, {json.dumps(ours)} in the artifact)")
+    if differing:
+        raise WeightsMismatchError(
+            f"{component}: the weights' config differs from the artifact's in {', '.join(differing[:3])}"
+            f"{f' and {len(differing) - 3} more keys' if len(differing) > 3 else ''}: the compiled code holds the "
+            f"artifact's, so it would not compute what these weights compute eager",
+            hint="build a target from these weights (source = their folder or Hub id) to run them compiled")
+    return given
+
+
+def _as_json(value: Any) -> Any:
+    """A config value as JSON holds it (tuples as lists), to compare a manifest's with a module's."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def conform(component: str, fqn: str, got: torch.Tensor, want: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -27,10 +27,10 @@ from ..manifest import (
     sha256_file,
     validated_with_tf32,
 )
-from ..pipelines import PipelineSpec, pipeline_spec
+from ..pipelines import PipelineSpec, pipeline_spec, runtime_config_keys
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
-from .checkpoint import checkpoint_constants, module_tensors
+from .checkpoint import checkpoint_config, checkpoint_constants, module_tensors
 from .component import CompiledComponent
 from .default_size import serve_default_size, set_pipeline_default_size
 from .graphs import GraphPool
@@ -155,7 +155,9 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         weights: modules by component name (the pipeline attribute's module, e.g. the VAE for
             `vae_decoder`) whose weights to bind instead of the artifact's: the recorded passes are
             applied to them (`checkpoint.checkpoint_constants`); tensors that need no change are
-            bound by pointer.
+            bound by pointer. Their config too: the stand-in keeps each module's own config
+            (`pipe.vae.config.scaling_factor` is the module's), once every key compiled into the
+            code holds the artifact's value (`checkpoint.checkpoint_config`).
 
     Returns:
         (manifest, {pipeline attribute: CompiledComponent}).
@@ -189,9 +191,12 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
             source = (weights or {}).get(name)
             # The weights as the check opened them: the folder may be replaced meanwhile.
             stored = files.path(entry["weights"])
+            config = entry["config"]
             if source is None:
                 tensors = load_weights(stored, context.device, layouts)
             else:  # the artifact's file gives the layouts only: mapped, never read
+                config = checkpoint_config(name, entry["config"], source.config, type(source),
+                                           runtime_config_keys(spec.component(name), manifest["target"]["dtype"]))
                 tensors = checkpoint_constants(
                     name, module_tensors(spec.component(name).export_module(source)),
                     load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
@@ -201,14 +206,14 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
             variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
             base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
             cls = lora_component_class(base) if spec.component(name).denoiser else base
-            described = {**entry, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,
+            described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,
                          "target_dtype": manifest["target"]["dtype"]}
             component = cls(name, described, variants, tensors, context, eager=(eager or {}).get(name), **extra)
             part = spec.component(name).part
             if part is None:
                 modules[entry["attribute"]] = component
             else:  # the VAE's parts share one stand-in, made once all are loaded
-                parts.setdefault(entry["attribute"], (entry["config"], {}))[1][part] = component
+                parts.setdefault(entry["attribute"], (config, {}))[1][part] = component
     for attribute, (config, found) in parts.items():
         modules[attribute] = autoencoder_class(config.get("_class_name", "AutoencoderKL"))(config, found)
     serve_default_size(manifest, modules)
@@ -361,13 +366,9 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     checkpoint = None
     if weights is not None:
         weights_folder = _resolve_source(weights, manifest, skip=set())
-        in_folder = set(component_classes(weights_folder))
-        missing = sorted(compiled - in_folder)
-        if missing:
-            raise SourceError(f"weights {os.fspath(weights)!r} have no {', '.join(missing)}, which this artifact "
-                              f"compiles")
-        checkpoint = load_source_components(weights_folder, seed=None, skip=in_folder - compiled,
-                                            dtype=DTYPES[target["dtype"]])
+        check_weights_config(manifest, weights_folder, os.fspath(weights))  # before any weights are read
+        checkpoint = load_source_components(weights_folder, seed=None, skip=set(component_classes(weights_folder))
+                                            - compiled, dtype=DTYPES[target["dtype"]])
         source = weights if source is None else source
     manifest, modules = load_components(
         folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
@@ -379,6 +380,31 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
     set_pipeline_default_size(pipe, manifest)
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
+
+
+def check_weights_config(manifest: dict[str, Any], folder: Path, named: str | None = None) -> None:
+    """Whether a diffusers folder's checkpoint can run in the artifact's compiled code, read from
+    its model_index.json and configs alone (no weights): every compiled component there, its
+    config equal to the artifact's where the config is compiled (`checkpoint.checkpoint_config`).
+    `named`: the checkpoint as the user named it (default: the folder).
+
+    Raises:
+        SourceError: a compiled component the folder lacks.
+        WeightsMismatchError: a compiled config key that differs, named with both values.
+    """
+    from ..sources import component_classes
+
+    spec = pipeline_spec(manifest["target"]["pipeline"])
+    classes = component_classes(folder)
+    missing = sorted({entry["attribute"] for entry in manifest["components"].values()} - set(classes))
+    if missing:
+        raise SourceError(f"weights {named or os.fspath(folder)!r} have no {', '.join(missing)}, which this artifact "
+                          f"compiles")
+    for name, entry in manifest["components"].items():
+        model = classes[entry["attribute"]]
+        config = model.load_config(folder / entry["attribute"])
+        checkpoint_config(name, entry["config"], config, model,
+                          runtime_config_keys(spec.component(name), manifest["target"]["dtype"]))
 
 
 def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str]) -> Path:
