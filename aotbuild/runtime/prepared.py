@@ -5,8 +5,9 @@ merged, a parameter written in place), so that the weights stay data.
 
 The manifest records, per variant, how each is made (`entry["prepared"]`: name -> recipe). A
 recipe is a tree of JSON: `{"weight": FQN}` reads a bound weight; `{"op": "ns.name[.overload]",
-"args": [...], "kwargs": {...}}` calls a torch operator of an allowed namespace; an argument is a
-recipe, a JSON literal, a list, or `{"memory_format": name}` / `{"dtype": name}`. E.g. a 3x3
+"args": [...], "kwargs": {...}}` calls one of the torch operators aotbuild records; an argument is a
+recipe, a JSON literal, a list, or `{"memory_format": name}` / `{"dtype": name}`; the operators are
+an allow-list (`OPERATORS`), checked at build and at load. E.g. a 3x3
 convolution's weight: `mkldnn._reorder_convolution_weight(aten.clone.default(conv.weight,
 memory_format=channels_last), [1, 1], [1, 1], [1, 1], 1, [2, 320, 16, 16])`.
 """
@@ -20,16 +21,28 @@ import torch
 from ..errors import CorruptArtifactError
 from ..private_apis import versions
 
-# Operators a recipe may call: torch's own (freezing folds layout changes and oneDNN packing).
-NAMESPACES = frozenset({"aten", "prims", "mkldnn", "mkl"})
+# The operators a recipe may call, as the build records them: what freezing folds into a weight's
+# prepared form (a layout, a dtype, oneDNN's packing, a constant folded into a convolution), and
+# nothing else a manifest might name (no in-place write, no allocation of a size it chooses).
+OPERATORS = frozenset({
+    "aten.clone.default", "aten.permute.default", "aten.reshape.default", "aten.view.default", "aten.t.default",
+    "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten._to_copy.default",
+    "prims.convert_element_type.default", "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
+    "mkldnn._reorder_convolution_weight", "mkldnn._reorder_convolution_transpose_weight",
+    "mkldnn._reorder_linear_weight",
+})
 
 
 def resolve(op: str) -> Any:
-    """The torch operator a recipe names: `aten.clone.default`, `mkldnn._reorder_convolution_weight`."""
+    """The torch operator a recipe names: `aten.clone.default`, `mkldnn._reorder_convolution_weight`.
+
+    Raises:
+        CorruptArtifactError: not one of `OPERATORS`, or one this torch lacks.
+    """
+    if op not in OPERATORS:
+        raise CorruptArtifactError(f"a prepared constant's recipe calls {op!r}, not one of the operators aotbuild "
+                                   f"records ({', '.join(sorted(OPERATORS))})")
     namespace, name, *overload = op.split(".")
-    if namespace not in NAMESPACES or len(overload) > 1:
-        raise CorruptArtifactError(f"a prepared constant's recipe calls {op!r}, not an operator of "
-                                   f"{', '.join(sorted(NAMESPACES))}")
     try:
         packet = getattr(getattr(torch.ops, namespace), name)
         return getattr(packet, overload[0]) if overload else packet
