@@ -18,6 +18,7 @@ from .errors import (
     MissingAttributeError,
     NoMatchingVariantError,
     NumericsError,
+    PrecisionError,
     ShapeNotSupportedError,
     SourceError,
     TargetError,
@@ -36,8 +37,8 @@ _LAZY = {
 
 __all__ = [
     "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "HubError", "IncompatibleArtifactError",
-    "MissingAttributeError", "NoMatchingVariantError", "NumericsError", "ShapeNotSupportedError", "SourceError",
-    "TargetError", "UnsupportedCallError", "UntrustedCodeError", "WeightsMismatchError", *_LAZY,
+    "MissingAttributeError", "NoMatchingVariantError", "NumericsError", "PrecisionError", "ShapeNotSupportedError",
+    "SourceError", "TargetError", "UnsupportedCallError", "UntrustedCodeError", "WeightsMismatchError", *_LAZY,
     "__version__",
 ]
 

@@ -111,29 +111,30 @@ def raised_by_input_checks(exc: ValueError) -> bool:
 
 def prepare_artifact(artifact: str, *, cuda_graphs: bool | None = None, weights: str | None = None,
                      loras: list[tuple[str, float]] = (), trust_remote_code: bool = False,
-                     variant: str | None = None) -> tuple[Any, dict[str, Any]]:
+                     variant: str | None = None, dtype: str | None = None) -> tuple[Any, dict[str, Any]]:
     """A ready pipeline for an artifact folder or `hf://org/name[@revision]` (no target file
     needed; a Hub artifact's native code is loaded only with `trust_remote_code`), and the target
-    its manifest records."""
+    its manifest records. `dtype`: as `load_pipeline`'s."""
     from .hub import check_trusted
     from .manifest import read_manifest
     from .runtime import artifact_folder, load_pipeline
 
     check_trusted(artifact, trust_remote_code)
-    folder, _ = artifact_folder(artifact, variant=variant)
+    folder, _ = artifact_folder(artifact, variant=variant, dtype=dtype)
     if not folder.is_dir():
         raise AotbuildError(f"no artifact at {artifact}", hint="give an artifact folder or hf://org/name[@revision]")
     manifest = read_manifest(folder)
-    pipe = load_pipeline(folder, cuda_graphs=cuda_graphs, weights=weights)
+    pipe = load_pipeline(folder, cuda_graphs=cuda_graphs, weights=weights, dtype=dtype)
     load_loras(pipe, list(loras))
     pipe.set_progress_bar_config(disable=True)
     return pipe, manifest["target"]
 
 
 def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: bool | None = None,
-            weights: str | None = None, loras: list[tuple[str, float]] = ()) -> Any:
+            weights: str | None = None, loras: list[tuple[str, float]] = (), dtype: str | None = None) -> Any:
     """A ready pipeline for `target` run the `backend` way (`cuda_graphs`: aot only, None = as built).
-    aot only: `weights` another checkpoint of the architecture, `loras` (path, scale) to apply."""
+    aot only: `weights` another checkpoint of the architecture, `loras` (path, scale) to apply,
+    `dtype` as `load_pipeline`'s."""
     if (weights is not None or loras) and backend != "aot":
         raise AotbuildError(f"--weights and --lora run the artifact (--backend aot), not {backend}: the eager and "
                             f"compile backends run the target's own pipeline")
@@ -145,7 +146,7 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
         source = None if is_random(target.source) or weights is not None else local_folder(target.source,
                                                                                             target.base_dir)
         pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs, source=source,
-                             weights=weights)
+                             weights=weights, dtype=dtype)
         load_loras(pipe, list(loras))
     elif backend in ("eager", "compile"):
         from .builder import check_device

@@ -181,6 +181,9 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 @click.option("--lora", "loras", multiple=True, metavar="PATH[:SCALE]",
               help="aot: a LoRA (file, folder or Hub id) to apply with its weight (default 1.0); repeatable")
 @click.option("--variant", help="with an hf:// repo holding several targets: the target (or variant path) to run")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="aot: the dtype the artifact computes, named: refuses an artifact of another, and accepts "
+                   "--weights stored in another dtype running in this one (refused without it)")
 @click.option("--trust-remote-code", is_flag=True, help="load an hf:// artifact's native code (compiled libraries "
                                                      "run in this process); local folders need no flag")
 @click.option("--artifacts", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
@@ -191,7 +194,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         batch: int | None, frames: int | None, images: tuple[Path, ...], strength: float | None,
         mask: Path | None, output: Path | None,
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
-        trust_remote_code: bool, artifacts: Path) -> None:
+        dtype: str | None, trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext); with --mask too, inpainting."""
@@ -221,11 +224,14 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         check_video_writer()  # before the load and the video, not after
     if cuda_graphs is not None and backend != "aot":
         raise AotbuildError(f"--cuda-graphs/--no-cuda-graphs apply to --backend aot, not {backend}")
+    if dtype is not None and backend != "aot":
+        raise AotbuildError(f"--dtype names the artifact's dtype (--backend aot); --backend {backend} runs the "
+                            f"target's pipeline in the target's dtype")
     start = time.perf_counter()
     adapters = [parse_lora(text) for text in loras]
     if artifact is not None:
         pipe, recorded = prepare_artifact(artifact, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,
-                                          trust_remote_code=trust_remote_code, variant=variant)
+                                          trust_remote_code=trust_remote_code, variant=variant, dtype=dtype)
         _check_made(recorded, frames, output)  # its manifest says what it makes
     else:
         from .targets import load_target
@@ -237,7 +243,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                 raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
         recorded = target.to_dict()
         _check_made(recorded, frames, output)  # before the load: the target says what it makes
-        pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters)
+        pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,
+                       dtype=dtype)
     load_s = time.perf_counter() - start
     defaults = call_defaults(recorded)
     video = defaults["frames"] is not None
@@ -536,6 +543,9 @@ def _listed(cases: str | None) -> tuple[str, ...] | None:
               help="requests of one call shape made together at most (1: no batching)")
 @click.option("--batch-wait-ms", type=click.FloatRange(0), default=10, show_default=True,
               help="how long a request waits for others to batch with")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="the dtype the artifact computes, named: refuses an artifact of another, and accepts "
+                   "--weights stored in another dtype running in this one (refused without it)")
 @click.option("--health-details", is_flag=True, help="GET /health also says what each replica serves, its pid, "
                                                       "memory, load times and counts (for your monitoring; off: "
                                                       "status and replica id only)")
@@ -544,7 +554,7 @@ def _listed(cases: str | None) -> tuple[str, ...] | None:
 def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str, port: int, address: str | None,
           cpus: float, gpus: float | None, gpu_type: str | None, max_steps: int, max_images: int,
           variant: str | None, loras: tuple[str, ...], lora_slots: int, checkpoints: tuple[str, ...],
-          weights_slots: int, max_batch: int, batch_wait_ms: float, health_details: bool,
+          weights_slots: int, max_batch: int, batch_wait_ms: float, dtype: str | None, health_details: bool,
           trust_remote_code: bool) -> None:
     """Serve text-to-image (text-to-video) over HTTP on Ray Serve: each replica loads the artifact
     once; POST JSON (prompt, negative_prompt, steps, guidance_scale, height, width, seed, images,
@@ -581,7 +591,7 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
                autoscale=bounds, cpus=cpus, gpus=gpus or 0, gpu_type=gpu_type, max_steps=max_steps,
                max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=adapters,
                lora_slots=lora_slots, checkpoints=others, weights_slots=weights_slots, max_batch=max_batch,
-               batch_wait_s=batch_wait_ms / 1000, health_details=health_details)
+               batch_wait_s=batch_wait_ms / 1000, dtype=dtype, health_details=health_details)
 
 
 @main.command()

@@ -62,6 +62,16 @@ class WeightsMismatchError(IncompatibleArtifactError):
         self.field, self.found, self.expected = "weights", None, None
 
 
+class PrecisionError(IncompatibleArtifactError):
+    """An artifact computes in another dtype than the pipeline or the checkpoint given to it: its
+    images would not be the ones those make eager. Refused unless the caller names the artifact's
+    dtype (`dtype=`, `--dtype`)."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        ArtifactError.__init__(self, message, hint=hint)
+        self.field, self.found, self.expected = "dtype", None, None
+
+
 class CorruptArtifactError(ArtifactError):
     """A file of the artifact is missing or fails its sha256."""
 

@@ -456,7 +456,8 @@ class ImageServer:
                  trust_remote_code: bool = False, variant: str | None = None,
                  loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
                  checkpoints: dict[str, str] | None = None, weights_slots: int = WEIGHTS_SLOTS,
-                 max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S, health_details: bool = False) -> None:
+                 max_batch: int = MAX_BATCH, batch_wait_s: float = BATCH_WAIT_S, dtype: str | None = None,
+                 health_details: bool = False) -> None:
         from ray import serve
 
         from .backends import call_defaults, prepare, prepare_artifact
@@ -464,7 +465,8 @@ class ImageServer:
 
         start = time.perf_counter()
         if artifact is not None:
-            self.pipe, recorded = prepare_artifact(artifact, trust_remote_code=trust_remote_code, variant=variant)
+            self.pipe, recorded = prepare_artifact(artifact, trust_remote_code=trust_remote_code, variant=variant,
+                                                   dtype=dtype)
         else:
             from .targets import load_target
 
@@ -485,7 +487,8 @@ class ImageServer:
         # adapters; other checkpoints are loaded when asked, `weights_slots` at most, least recently
         # used unloaded first.
         self._checkpoints, self._weights_slots = dict(checkpoints or {}), weights_slots
-        self._reload = {"artifact": artifact, "trust_remote_code": trust_remote_code, "variant": variant}
+        self._reload = {"artifact": artifact, "trust_remote_code": trust_remote_code, "variant": variant,
+                        "dtype": dtype}
         self._pipes: OrderedDict[str | None, AdapterSlots] = OrderedDict(
             {None: AdapterSlots(self.pipe, self._loras, lora_slots, self.counts)})
         import torch
@@ -643,9 +646,7 @@ class ImageServer:
             gc.collect()
             self.counts["checkpoint_unloads"] += 1
         try:
-            pipe, _ = prepare_artifact(self._reload["artifact"], weights=self._checkpoints[name],
-                                       trust_remote_code=self._reload["trust_remote_code"],
-                                       variant=self._reload["variant"])
+            pipe, _ = prepare_artifact(weights=self._checkpoints[name], **self._reload)
         except AotbuildError as exc:
             raise AotbuildError(f"checkpoint {name!r} could not be loaded: {exc.message}") from None
         self.counts["checkpoint_loads"] += 1
@@ -866,7 +867,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         max_images: int = MAX_IMAGES, env: dict[str, str] | None = None, trust_remote_code: bool = False,
         variant: str | None = None, loras: dict[str, tuple[str, float]] | None = None, lora_slots: int = LORA_SLOTS,
         checkpoints: dict[str, str] | None = None, weights_slots: int = WEIGHTS_SLOTS, max_batch: int = MAX_BATCH,
-        batch_wait_s: float = BATCH_WAIT_S, health_details: bool = False) -> Any:
+        batch_wait_s: float = BATCH_WAIT_S, dtype: str | None = None, health_details: bool = False) -> Any:
     """The Serve application: an `Ingress` in front of `replicas` `ImageServer`s, or `autoscale`
     (min, max) of them scaled by ongoing requests; each reserving `cpus`, `gpus` (of kind
     `gpu_type`, Ray's accelerator type). `env`: more environment for the replicas (the driver's
@@ -876,8 +877,10 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     several. `loras` ({name: (source, weight)}, `parse_adapters`): the LoRAs requests may name,
     `lora_slots` loaded per replica; `checkpoints` ({name: source}, `parse_checkpoints`): other
     checkpoints of the architecture, `weights_slots` loaded per replica beside the artifact's own.
-    `max_batch`, `batch_wait_s`: requests made together. `health_details`: GET /health also says
-    what each replica serves, its process, memory and counts (off: status and replica id only).
+    `max_batch`, `batch_wait_s`: requests made together. `dtype`: the dtype the artifact computes,
+    named (`load_pipeline`'s): checkpoints stored in another are refused without it.
+    `health_details`: GET /health also says what each replica serves, its process, memory and
+    counts (off: status and replica id only).
     Run it with `ray.serve.run(app(...))`."""
     from ray import serve
 
@@ -896,7 +899,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     if checkpoints and artifact is None:
         raise AotbuildError("--weights serves other checkpoints through an artifact (the aot backend)")
     if checkpoints and not artifact.startswith("hf://"):
-        _check_checkpoints(Path(artifact), checkpoints)
+        _check_checkpoints(Path(artifact), checkpoints, dtype)
     env_vars = {**spin_env(), **forwarded_env(), **(env or {})}
     actor = {"num_cpus": cpus, "num_gpus": gpus, "runtime_env": {"env_vars": env_vars}}
     if gpu_type:
@@ -915,25 +918,25 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         artifact, target=target, backend=backend, artifacts_dir=os.fspath(artifacts_dir), max_steps=max_steps,
         max_images=max_images, trust_remote_code=trust_remote_code, variant=variant, loras=loras,
         lora_slots=lora_slots, checkpoints=checkpoints, weights_slots=weights_slots, max_batch=max_batch,
-        batch_wait_s=batch_wait_s, health_details=health_details)
+        batch_wait_s=batch_wait_s, dtype=dtype, health_details=health_details)
     # The front computes nothing: it reserves no CPU and takes every request the replicas may queue.
     front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=1000)
     return front.bind(model, tuple(loras or ()), tuple(checkpoints or ()))
 
 
-def _check_checkpoints(artifact: Path, checkpoints: dict[str, str]) -> None:
+def _check_checkpoints(artifact: Path, checkpoints: dict[str, str], dtype: str | None) -> None:
     """Each local checkpoint a server may load fits the artifact's compiled code, by its configs
-    (`runtime.load.check_weights_config`), before any replica starts; a Hub one is checked when a
-    request first asks for it."""
+    and stored dtype (`runtime.load.check_checkpoint`), before any replica starts; a Hub one is
+    checked when a request first asks for it."""
     from .manifest import read_manifest
-    from .runtime.load import check_weights_config
+    from .runtime.load import check_checkpoint
 
     manifest = read_manifest(artifact)
     for name, source in checkpoints.items():
         if Path(source).is_dir():
             try:
-                check_weights_config(manifest, Path(source), source)
+                check_checkpoint(manifest, Path(source), source, dtype)
             except AotbuildError as exc:
                 raise AotbuildError(f"--weights {name}: {exc.message}", hint=exc.hint) from None
 

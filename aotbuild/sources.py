@@ -177,6 +177,28 @@ def _weights_files(files: list[str], component: str, half: bool) -> list[str]:
     return fp16 if fp16 and (half or len(fp16) == len(weights)) else [f for f in weights if f not in fp16]
 
 
+# safetensors' dtype names of floating point tensors, as torch names them.
+SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def stored_dtype(folder: Path, component: str) -> str | None:
+    """The floating point dtype a component of a diffusers folder is stored in (the one most of
+    its bytes have, in the files a load reads: `_weights_files`), from the safetensors headers
+    alone; None when it has no safetensors files."""
+    chosen = _weights_files([f"{component}/{p.name}" for p in (folder / component).glob("*.safetensors")],
+                            component, False)
+    stored: dict[str, int] = {}
+    for name in chosen:
+        with open(folder / name, "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        for key, record in header.items():
+            if key != "__metadata__" and record.get("dtype") in SAFETENSORS_FLOATS:
+                start, end = record["data_offsets"]
+                stored[SAFETENSORS_FLOATS[record["dtype"]]] = stored.get(SAFETENSORS_FLOATS[record["dtype"]], 0) + \
+                    end - start
+    return max(stored, key=stored.get) if stored else None
+
+
 def component_classes(folder: Path) -> dict[str, type]:
     """The class of each component model_index.json names (importing its module)."""
     index = json.loads((folder / "model_index.json").read_text())

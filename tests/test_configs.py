@@ -1,8 +1,9 @@
-"""A checkpoint's config is data too: another checkpoint's config keys that no compiled code reads
-(the VAE's latent scaling and statistics: the pipeline reads them) are that checkpoint's, and its
-images are the ones eager diffusers makes from it; a key compiled into the code (an epsilon, a
-rotary layout) that differs is refused, naming the component, the key and both values. Per family,
-through `load_pipeline(weights=)` and `apply()`."""
+"""A checkpoint's config is data too, and its precision is the user's. Another checkpoint's config
+keys that no compiled code reads (the VAE's latent scaling and statistics: the pipeline reads them)
+are that checkpoint's, and its images are the ones eager diffusers makes from it; a key compiled
+into the code (an epsilon, a rotary layout) that differs is refused, naming the component, the key
+and both values. Per family, through `load_pipeline(weights=)` and `apply()`. Weights in another
+dtype than the artifact computes run only when the caller names it."""
 
 from __future__ import annotations
 
@@ -77,3 +78,40 @@ def test_a_checkpoints_config_is_used_where_it_is_data_and_refused_where_it_is_c
     assert "build a target from these weights" in info.value.hint
     with pytest.raises(WeightsMismatchError, match=refusal):
         aotbuild.apply(other, built.folder)
+
+
+def test_precision_changes_only_when_asked(built_bf16_prepack, bf16_prepack_target, built, tiny_target, tmp_path):
+    """A float32 pipeline given a bfloat16 artifact, or a checkpoint stored in float32 loaded into
+    one, was cast silently: its images were no longer its eager ones. Refused naming both dtypes,
+    unless the caller names the artifact's dtype; weights already in that dtype, or half-precision
+    weights in a float32 artifact (every value exact), need nothing said."""
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+    from aotbuild.errors import PrecisionError
+
+    folder = built_bf16_prepack.folder
+    pipe = eager_pipeline(bf16_prepack_target)
+    with pytest.raises(PrecisionError, match=r"^pipe.unet is float32 and this artifact computes bfloat16: its images "
+                                             r"would not be the ones float32 weights make eager") as info:
+        aotbuild.apply(pipe, folder)
+    assert 'dtype="bfloat16"' in info.value.hint and "--dtype bfloat16" in info.value.hint
+    assert pipe.unet.dtype == torch.float32  # refused before anything changed
+    assert aotbuild.apply(pipe, folder, dtype="bfloat16").unet.dtype == torch.bfloat16
+    aotbuild.apply(eager_pipeline(bf16_prepack_target).to(torch.bfloat16), folder)  # already bfloat16
+
+    eager_pipeline(bf16_prepack_target, seed=7).save_pretrained(tmp_path / "float32")
+    with pytest.raises(PrecisionError, match=r"float32's unet is float32 and this artifact computes bfloat16"):
+        aotbuild.load_pipeline(folder, weights=tmp_path / "float32")
+    aotbuild.load_pipeline(folder, weights=tmp_path / "float32", dtype="bfloat16")
+    eager_pipeline(bf16_prepack_target, seed=7).to(torch.bfloat16).save_pretrained(tmp_path / "bfloat16")
+    aotbuild.load_pipeline(folder, weights=tmp_path / "bfloat16")
+    aotbuild.load_pipeline(built.folder, weights=tmp_path / "bfloat16")  # a float32 artifact: exact upcast
+
+    run = ["run", "--artifact", str(folder), "--prompt", "a fox", "--steps", "1",
+           "--weights", str(tmp_path / "float32")]
+    refused = CliRunner().invoke(main, run)
+    assert refused.exit_code == 1 and "error: " in refused.output and "hint: " in refused.output
+    assert "is float32 and this artifact computes bfloat16" in refused.output and "--dtype bfloat16" in refused.output
+    accepted = CliRunner().invoke(main, [*run, "--dtype", "bfloat16"])
+    assert accepted.exit_code == 0, accepted.output

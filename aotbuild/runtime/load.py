@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from ..errors import AotbuildError, ArtifactError, IncompatibleArtifactError, SourceError, TargetError
+from ..errors import (
+    AotbuildError,
+    ArtifactError,
+    IncompatibleArtifactError,
+    PrecisionError,
+    SourceError,
+    TargetError,
+)
 from ..hub import check_trusted
 from ..manifest import (
     DTYPES,
@@ -38,7 +45,7 @@ from .guards import install_pipeline_guards
 from .lora import lora_component_class
 from .regional import RegionalComponent, component_variants
 from .variant import LoadContext
-from .weights import load_weights
+from .weights import dtype_name, load_weights
 
 # Threads inside `quiet_libraries()`, with their nesting depth: their log records below ERROR are dropped.
 _QUIET_THREADS: dict[int, int] = {}
@@ -255,7 +262,8 @@ WEIGHTS_CHOICES = ("pipeline", "artifact")
 
 @_quietly
 def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", eager_fallback: bool = False,
-          cuda_graphs: bool | None = None, trust_remote_code: bool = False, variant: str | None = None) -> Any:
+          cuda_graphs: bool | None = None, trust_remote_code: bool = False, variant: str | None = None,
+          dtype: str | None = None) -> Any:
     """Swap an artifact's compiled components into a pipeline the user already has.
 
     Args:
@@ -268,11 +276,15 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
             warning); otherwise the pipeline drops them.
         cuda_graphs: as in `load_components`.
         trust_remote_code, variant: as in `load_pipeline`.
+        dtype: the precision the caller accepts: the artifact's dtype, named. Without it, a
+            pipeline whose compiled modules are in another dtype than the artifact computes (a
+            float32 pipeline, a bfloat16 artifact) is refused: its images would change.
 
     Returns:
         The same pipeline, modified in place.
 
     Raises:
+        PrecisionError: the pipeline's modules are in another dtype, and `dtype` does not say so.
         IncompatibleArtifactError: a module's architecture differs from the artifact's (the
             first differing tensor is named).
         AotbuildError: LoRA adapters loaded and not fused (load them after apply instead).
@@ -293,12 +305,43 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
             raise AotbuildError(f"the pipeline's {name} is compiled by aotbuild already")
         if weights == "pipeline":
             _check_lora_fused(manifest["components"][name]["attribute"], module)
-    _, modules = load_components(artifact, device=device, eager=originals if eager_fallback else None,
+    check_precision(manifest, {name: dtype_name(module.dtype) for name, module in originals.items()}, dtype,
+                    lambda name: f"pipe.{manifest['components'][name]['attribute']}")
+    _, modules = load_components(artifact, device=device, dtype=dtype, eager=originals if eager_fallback else None,
                                  cuda_graphs=cuda_graphs, weights=originals if weights == "pipeline" else None)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     set_pipeline_default_size(pipe, manifest)
     return pipe
+
+
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def check_precision(manifest: dict[str, Any], given: dict[str, str | None], accepted: str | None,
+                    named: Callable[[str], str]) -> None:
+    """Refuse to run weights in another dtype than they are given in unless the caller said so:
+    `given` holds, by component, the dtype of the pipeline's module or of the checkpoint's stored
+    weights (None: unknown); `accepted` is the dtype the caller named (the artifact's, or
+    `check_compatible` refuses it). A component compiled in that very dtype (a float16 target's
+    VAE kept in float32) and half-precision weights in a float32 artifact (every value exact,
+    float32 diffusers' own default) change nothing. `named` says a component as the user knows it.
+
+    Raises:
+        PrecisionError: naming the module, both dtypes and the way to say so.
+    """
+    computes = manifest["target"]["dtype"]
+    if accepted is not None:
+        return
+    for name, found in given.items():
+        if found in (None, computes, manifest["components"][name]["dtype"]) or (
+                computes == "float32" and found in HALF_DTYPES):
+            continue
+        raise PrecisionError(
+            f"{named(name)} is {found} and this artifact computes {computes}: its images would not be the ones "
+            f"{found} weights make eager",
+            hint=f"to run them in {computes}, say so: dtype=\"{computes}\" in Python, --dtype {computes} on the "
+                 f"command line; or build a target with dtype = \"{found}\"")
 
 
 def _check_lora_fused(attribute: str, module: torch.nn.Module) -> None:
@@ -333,7 +376,9 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
 
     Args:
         artifact: a folder or `hf://org/name[@revision]` (the revision is resolved to one commit).
-        device, dtype, cuda_graphs: as in `load_components`.
+        device, cuda_graphs: as in `load_components`.
+        dtype: refuse the artifact unless it computes this dtype; with `weights` stored in another
+            dtype than the artifact computes, naming it is how the caller accepts their new precision.
         source: where the components that were not compiled come from, instead of the source the
             artifact records: a local diffusers folder or a Hub id (`org/name[@revision]`).
             Needed for an artifact built from a local folder, whose path it does not record.
@@ -351,8 +396,8 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     local folder, or the artifact's own config set with seeded random weights).
 
     Raises:
-        IncompatibleArtifactError, CorruptArtifactError, SourceError, UntrustedCodeError,
-        NoMatchingVariantError.
+        IncompatibleArtifactError (PrecisionError: `weights` stored in another dtype, and `dtype`
+        not given), CorruptArtifactError, SourceError, UntrustedCodeError, NoMatchingVariantError.
     """
     from ..sources import assemble_pipeline, component_classes
     from ..sources import load_components as load_source_components
@@ -366,7 +411,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     checkpoint = None
     if weights is not None:
         weights_folder = _resolve_source(weights, manifest, skip=set())
-        check_weights_config(manifest, weights_folder, os.fspath(weights))  # before any weights are read
+        check_checkpoint(manifest, weights_folder, os.fspath(weights), dtype)  # before any weights are read
         checkpoint = load_source_components(weights_folder, seed=None, skip=set(component_classes(weights_folder))
                                             - compiled, dtype=DTYPES[target["dtype"]])
         source = weights if source is None else source
@@ -382,29 +427,36 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
 
 
-def check_weights_config(manifest: dict[str, Any], folder: Path, named: str | None = None) -> None:
+def check_checkpoint(manifest: dict[str, Any], folder: Path, named: str | None = None,
+                     dtype: str | None = None) -> None:
     """Whether a diffusers folder's checkpoint can run in the artifact's compiled code, read from
-    its model_index.json and configs alone (no weights): every compiled component there, its
-    config equal to the artifact's where the config is compiled (`checkpoint.checkpoint_config`).
-    `named`: the checkpoint as the user named it (default: the folder).
+    its model_index.json, configs and safetensors headers alone (no weights): every compiled
+    component there, its config equal to the artifact's where the config is compiled
+    (`checkpoint.checkpoint_config`), stored in the dtype the artifact computes unless `dtype`
+    names it (`check_precision`). `named`: the checkpoint as the user named it (default: the folder).
 
     Raises:
         SourceError: a compiled component the folder lacks.
         WeightsMismatchError: a compiled config key that differs, named with both values.
+        PrecisionError: weights stored in another dtype, not accepted by `dtype`.
     """
-    from ..sources import component_classes
+    from ..sources import component_classes, stored_dtype
+
+    named = named or os.fspath(folder)
 
     spec = pipeline_spec(manifest["target"]["pipeline"])
     classes = component_classes(folder)
     missing = sorted({entry["attribute"] for entry in manifest["components"].values()} - set(classes))
     if missing:
-        raise SourceError(f"weights {named or os.fspath(folder)!r} have no {', '.join(missing)}, which this artifact "
-                          f"compiles")
+        raise SourceError(f"weights {named!r} have no {', '.join(missing)}, which this artifact compiles")
     for name, entry in manifest["components"].items():
         model = classes[entry["attribute"]]
         config = model.load_config(folder / entry["attribute"])
         checkpoint_config(name, entry["config"], config, model,
                           runtime_config_keys(spec.component(name), manifest["target"]["dtype"]))
+    check_precision(manifest, {name: stored_dtype(folder, entry["attribute"])
+                               for name, entry in manifest["components"].items()}, dtype,
+                    lambda name: f"{named}'s {manifest['components'][name]['attribute']}")
 
 
 def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str]) -> Path:
