@@ -245,7 +245,8 @@ def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | 
     before anything is allocated (a 65536 x 65536 request would allocate its latents before the
     compiled model refused it). An artifact's denoiser says what its variants cover; the eager and
     compile backends are held to the largest call the target covers."""
-    from .runtime.component import CompiledComponent, variant_coverage, variant_covers
+    from .runtime.component import CompiledComponent
+    from .runtime.refusals import variant_coverage, variant_covers
 
     images, height, width, frames = call["images"], call["height"], call["width"], call.get("frames")
     guided = call["guidance_scale"] > 1

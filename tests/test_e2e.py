@@ -170,8 +170,8 @@ def test_uncovered_shape_is_a_clear_error(built):
     pipe = aotbuild.load_pipeline(built.folder)
     with pytest.raises(ShapeNotSupportedError, match=r"unet: no compiled variant for this call \("
                        r"StableDiffusionXLPipeline\(height=128, width=128, num_images_per_prompt=1, "
-                       r"guidance_scale=5.0\)\): args\[0\] \[2, 4, 64, 64\].*covers: 64x64 px, 1 image, with and "
-                       r"without guidance; 64x96 px, "
+                       r"guidance_scale=5.0\)\): 1 image at 128x128 px with guidance; none compiled for 128x128 px; "
+                       r"this artifact covers: 64x64 px, 1 image, with and without guidance; 64x96 px, "
                        r"1-2 images, with and without guidance; 32-96x32-96 px \(multiples of 4\), 1-3 images"):
         generate(pipe, ShapeBucket(1, 128, 128))
 

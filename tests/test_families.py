@@ -282,8 +282,18 @@ def test_z_image_refusals_name_the_prompts_tokens_and_the_branch_export_took(z_i
                                                      r"prompt's tokens; max_sequence_length=512\) in this call; "
                                                      r"compiled: 2-500"):
         run_prompt(compiled, long, height=64, width=64, guidance_scale=0.0)
+    # Images and guidance as the call asks for them (they were "args[0] key '1' is not an input").
+    covered = r"this artifact covers: 64x64 px, 1 image, text length 512, without guidance only; 32-96x32-96 px"
+    with pytest.raises(ShapeNotSupportedError, match=r"^transformer: no compiled variant for this call \(ZImagePipeline"
+                                                     r"\(.*num_images_per_prompt=2.*\)\): 2 images at 64x64 px without "
+                                                     r"guidance; none compiled for 2 images per call; " + covered):
+        run_prompt(compiled, "a red fox", height=64, width=64, guidance_scale=0.0, num_images_per_prompt=2)
+    with pytest.raises(ShapeNotSupportedError, match=r"^transformer: guidance_scale=4 needs the guided variants, which "
+                                                     r"this artifact was built without"):
+        run_prompt(compiled, "a red fox", height=64, width=64, guidance_scale=4.0)  # Z-Image guides above 0
     with pytest.raises(ShapeNotSupportedError, match=r"are in the range compiled, but break what the compiled code "
-                                                     r"assumes of them: .*% 32.*args\[0\]\.0 dim 2 = 2\*s"):
+                                                     r"assumes of them: .*% 32.*, with s\d+ = height / 4 px and "
+                                                     r"s\d+ = width / 4 px"):
         run_prompt(compiled, "a red fox in the snow " * 8, height=48, width=80, guidance_scale=0.0)
 
 

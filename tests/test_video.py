@@ -94,8 +94,13 @@ def test_frames_or_videos_outside_the_buckets_are_refused_naming_them(wan):
     with pytest.raises(ShapeNotSupportedError, match=r"transformer: no compiled variant for this call "
                        r"\(WanPipeline\(height=32, width=48, num_frames=7, num_videos_per_prompt=1, .*" + covered):
         run(compiled, num_frames=7)
-    with pytest.raises(ShapeNotSupportedError, match=r"num_frames=9, num_videos_per_prompt=2, .*" + covered):
+    with pytest.raises(ShapeNotSupportedError, match=r"num_frames=9, num_videos_per_prompt=2, .*\): 2 videos of 9 "
+                                                     r"frames at 32x48 px, text length 512; none compiled for 2 "
+                                                     r"videos per call; " + covered):
         run(compiled, num_videos_per_prompt=2)
+    with pytest.raises(ShapeNotSupportedError, match=r"^transformer: text length 226 \(max_sequence_length=226\) in "
+                                                     r"this call; compiled: 512; " + covered):
+        run(compiled, max_sequence_length=226)  # CogVideoX's length: named as the call's
 
 
 def test_wan22_experts_are_compiled_apart_and_switch_at_the_boundary_as_eager(wan22):
@@ -241,6 +246,16 @@ def test_ltx_video_runs_at_its_buckets_text_length_and_refuses_another_frame_rat
                        r"rope_interpolation_scale key '0' to 0.0833\d*, compiled at 0.08; this artifact serves the "
                        r"frame_rate it was built at \(the call's default\)"):
         run(compiled, height=32, width=64, max_sequence_length=16, frame_rate=24)
+    # Frames and pixels as the call asks for them (they were said in latent units: "'num_frames' is 9 in
+    # this call and 5 in the compiled transformer", "'height' is 16 ... and 8").
+    covered = r"this artifact covers: 9 frames at 32x64 px, 1 video, text length 16, with and without guidance"
+    for call, asked in [({"num_frames": 17}, r"1 video of 17 frames at 32x64 px with guidance, text length 16; "
+                                             r"none compiled for 17 frames"),
+                        ({"height": 64}, r"1 video of 9 frames at 64x64 px with guidance, text length 16; none "
+                                         r"compiled for 64x64 px")]:
+        with pytest.raises(ShapeNotSupportedError, match=r"^transformer: no compiled variant for this call "
+                                                         rf"\(LTXPipeline\(.*\)\): {asked}; {covered}\n"):
+            run(compiled, **{"height": 32, "width": 64, "max_sequence_length": 16, **call})
 
 
 def test_a_size_the_pipeline_refuses_fails_the_build_in_its_words(tmp_path):

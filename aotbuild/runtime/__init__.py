@@ -4,6 +4,7 @@ bind their weights without copies, and swap them into a diffusers pipeline.
 One module per concern: `cache` (extracted packages, verified weights, what is trusted),
 `weights` (layouts, binding checks, borrowed views), `variant` (one compiled model, and what
 the models of one load share), `graphs` (CUDA graphs), `component` (the stand-in module),
+`refusals` (why a call is not served, in the caller's terms),
 `guards` (what a stand-in refuses, and the diffusers pipeline methods that ask first),
 `regional` (a regional denoiser: diffusers' forward calling compiled blocks), `step_cache`
 (diffusers' step caches, `enable_cache`, on those blocks), `autoencoder` (the
@@ -21,9 +22,10 @@ from .cache import (
     package_cache_dir,
     package_cache_usage,
 )
-from .component import CompiledComponent, Config, variant_coverage
+from .component import CompiledComponent, Config
 from .graphs import CudaGraph, GraphPool
 from .load import apply, artifact_folder, check_fit, load_components, load_pipeline
+from .refusals import variant_coverage
 from .variant import CompiledVariant, leaf_name, leaf_signature, open_model
 from .weights import load_weights
 

@@ -23,8 +23,9 @@ import torch
 from ..errors import AotbuildError, CorruptArtifactError
 from ..private_apis import pytree
 from . import step_cache
-from .component import CompiledComponent, unsupported_call
+from .component import CompiledComponent
 from .lora import meta_model
+from .refusals import unsupported_call
 from .variant import CompiledVariant, LoadContext
 
 
@@ -60,7 +61,7 @@ class CompiledBlock(torch.nn.Module):
         if leaves is None or not variant.accepts(leaves):  # a builder defect, never silent
             raise AotbuildError(f"block {self.fqn}: its compiled variant {variant.name} does not take the call the "
                                 f"model makes under the component's variant of that name: "
-                                + unsupported_call(f"block {self.fqn}", [variant], args, kwargs))
+                                + unsupported_call(f"block {self.fqn}", [variant], args, kwargs).message)
         return variant.run(leaves)
 
     def extra_repr(self) -> str:
