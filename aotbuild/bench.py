@@ -438,13 +438,17 @@ def _weights_mib(pipe: Any) -> float:
     components' bound weights."""
     import torch
 
-    tensors: dict[tuple, torch.Tensor] = {}  # a stand-in's parameters are its bound weights: each counted once
+    from .runtime.guards import StandIn
+
+    tensors: dict[tuple, torch.Tensor] = {}  # each counted once
     for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
+        if isinstance(component, StandIn):  # its bound weights (its parameters are the eager model's views of them)
+            found = [t for module in component.modules() for t in module.__dict__.get("_weights", {}).values()]
+        elif isinstance(component, torch.nn.Module):
             found = [*component.parameters(), *component.buffers()]
-            for module in component.modules():  # the VAE stand-in holds its compiled parts as submodules
-                found += list(module.__dict__.get("_weights", {}).values())
-            tensors.update({(t.data_ptr(), t.numel(), t.dtype): t for t in found})
+        else:
+            continue
+        tensors.update({(t.data_ptr(), t.numel(), t.dtype): t for t in found})
     return sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
 
 

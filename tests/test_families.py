@@ -604,3 +604,22 @@ def test_a_python_value_following_the_size_fails_a_range_naming_it(tmp_path):
     with pytest.raises(BuildError, match=r"transformer dynamic: input img_shapes\.0\.0\.1 is 8 at dynamic:min and 16 "
                                          r"at the example: a Python value that follows the call's size"):
         build(target, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny-qwen-image", "cpu-tiny-z-image", "cpu-tiny-chroma", "cpu-tiny-wan"])
+def test_a_stand_ins_parameters_are_the_eager_models(name, tmp_path_factory):
+    """By capture, the compiled code binds lifted constants too (rotary tables in complex64,
+    Chroma's int64 indices) and no weight export dropped as dead (Qwen-Image's last text
+    stream): parameters() and buffers() are still the eager model's, so code that takes a model's
+    dtype or size from them gets the eager answer (it got complex64, and 145,456 parameters for
+    89,328). A dead weight holds no values here: it is on the meta device."""
+    target, built, compiled, eager = loaded(tmp_path_factory, name)
+    ours, theirs = compiled.transformer, eager.transformer
+    assert next(ours.parameters()).dtype == next(theirs.parameters()).dtype == torch.float32
+    for named in ("named_parameters", "named_buffers"):
+        got, want = (dict(getattr(model, named)()) for model in (ours, theirs))
+        assert {n: (t.shape, t.dtype) for n, t in got.items()} == {n: (t.shape, t.dtype) for n, t in want.items()}
+    assert ours.num_parameters() == theirs.num_parameters()
+    unread = set(built.manifest["components"]["transformer"].get("unread", ()))
+    assert {n for n, p in ours.named_parameters() if p.is_meta} == unread
+    assert set(ours.state_dict()) == set(theirs.state_dict())

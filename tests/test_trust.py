@@ -126,16 +126,17 @@ def test_load_state_dict_goes_through_fused_int8_and_channels_last_weights(built
 
 
 @slow
-def test_parameters_are_the_bound_weights(built, tiny_target):
+def test_parameters_are_the_eager_models_over_the_bound_weights(built, tiny_target):
     compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(tiny_target)
     first = next(compiled.unet.parameters())  # the idiom for a model's dtype and device
     assert (first.dtype, first.device.type) == (torch.float32, "cpu")
+    for module in ("unet", "vae"):  # names, shapes, dtypes, counts: the eager model's
+        ours, theirs = (dict(getattr(pipe, module).named_parameters()) for pipe in (compiled, eager))
+        assert {n: (p.shape, p.dtype) for n, p in ours.items()} == {n: (p.shape, p.dtype) for n, p in theirs.items()}
+        assert set(getattr(compiled, module).state_dict()) == set(getattr(eager, module).state_dict())
     params = dict(compiled.unet.named_parameters())
-    assert set(params) == set(compiled.unet.weights)
-    assert all(p.data_ptr() == compiled.unet.weights[n].data_ptr() for n, p in params.items())
-    assert compiled.unet.num_parameters() == sum(t.numel() for t in compiled.unet.weights.values())
-    assert set(compiled.unet.state_dict()) == set(eager.unet.state_dict())  # float32, unfused: eager's names
-    assert {n for n, _ in compiled.vae.named_parameters()} <= set(eager.vae.state_dict())
+    assert all(p.data_ptr() == compiled.unet.weights[n].data_ptr() for n, p in params.items())  # the bound memory
+    assert compiled.unet.num_parameters() == eager.unet.num_parameters()
 
     with torch.no_grad():  # a user's edit loop, in place
         for module in (compiled.unet, eager.unet, compiled.vae, eager.vae):
@@ -152,6 +153,38 @@ def test_parameters_are_the_bound_weights(built, tiny_target):
     with pytest.raises(UnsupportedCallError, match=r"parameter 'conv_out.weight' was replaced by a .* float64 "
                                                    r"tensor .*; the compiled code reads .* float32"):
         run(compiled)
+
+
+@slow
+@pytest.mark.parametrize("recipe", ["built_int8", "built_bf16_prepack"])
+def test_fused_and_int8_weights_are_the_eager_models_parameters_and_take_their_edits(recipe, request, tiny_target):
+    """fuse_qkv binds one to_qkv per attention, int8 a data and a scale per linear: parameters()
+    are still the eager UNet's (to_q's rows of to_qkv, a view; an int8 weight's float values, a
+    copy), and an edit in place of either reaches the next call as load_state_dict with the same
+    tensors does (a copy's values written back through the recorded passes)."""
+    built = request.getfixturevalue(recipe)
+    pipe, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(tiny_target).unet
+    dtype = pipe.unet.dtype
+    ours, theirs = dict(pipe.unet.named_parameters()), dict(eager.named_parameters())
+    assert {n: (p.shape, p.dtype) for n, p in ours.items()} == {n: (p.shape, dtype) for n, p in theirs.items()}
+    q = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight"
+    assert q not in pipe.unet.weights  # fused in the code
+    fused = pipe.unet.weights.get(q.replace("to_q.", "to_qkv."))
+    if fused is not None:  # bfloat16, fused: to_q is its rows
+        assert ours[q].untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    else:  # int8: its float values
+        assert ours[q].dtype == torch.float32 and ours[q].untyped_storage().data_ptr() not in {
+            t.untyped_storage().data_ptr() for t in pipe.unet.weights.values()}
+
+    other = aotbuild.load_pipeline(built.folder)
+    ff = next(n for n in ours if ".ff.net.2.weight" in n)
+    edited = {name: ours[name].detach() * 0.5 for name in (q, ff, "conv_in.weight")}
+    other.unet.load_state_dict(edited, strict=False)
+    with torch.no_grad():
+        for name in edited:
+            ours[name].mul_(0.5)  # the user's edit loop: in place
+    np.testing.assert_array_equal(run(pipe), run(other))
+    assert np.abs(run(pipe) - run(aotbuild.load_pipeline(built.folder))).max() > 1e-3  # it changed
 
 
 @slow

@@ -4,6 +4,7 @@ path gives what eager diffusers gives, and a missing part or tile model is named
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -60,6 +61,7 @@ class CompiledAutoencoderBase(StandIn):
             self.tile_latent_min_size = int(sample_size / vae_factor(config))  # as AutoencoderKL.__init__
             self.tile_overlap_factor = 0.25
         self.component_name = "vae"
+        self._eager_shapes: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]] | None = None
         # FLUX.2's latent BatchNorm, read by its pipeline: the first part's bound tensors (loads
         # write them in place, so it follows every checkpoint the parts take).
         kept = {fqn.removeprefix("bn."): tensor for fqn, tensor in self._first._weights.items()
@@ -101,18 +103,46 @@ class CompiledAutoencoderBase(StandIn):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        for part in self.parts.values():
-            yield from part.named_parameters(prefix)
+        """The eager VAE's parameters (see `CompiledComponent.named_parameters`): each from the
+        compiled part that holds it, on the meta device for a part the artifact does not compile."""
+        for name, meta in self._eager_names()[0].items():
+            part = self._holder(name)
+            yield (f"{prefix}.{name}" if prefix else name), part._parameter(name) if part is not None else \
+                torch.nn.Parameter(meta, requires_grad=False)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(())
+        for name, meta in self._eager_names()[1].items():
+            part = self._holder(name)
+            yield (f"{prefix}.{name}" if prefix else name), part._eager_tensor(name)[0] if part is not None else meta
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        for part in self.parts.values():
-            destination = part.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        """The eager VAE's state dict over the parts' bound weights (meta where no part is compiled)."""
+        destination = collections.OrderedDict() if destination is None else destination
+        persistent = self._eager_names()[2]
+        for name, tensor in self.named_parameters():
+            destination[prefix + name] = tensor if keep_vars else tensor.detach()
+        for name, tensor in self.named_buffers():
+            if name in persistent:
+                destination[prefix + name] = tensor.detach()
         return destination
+
+    def _eager_names(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+        """The eager VAE's parameters and buffers by name, on the meta device, and its persistent
+        buffers; made once."""
+        if self._eager_shapes is None:
+            from .lora import meta_model
+
+            model = meta_model(self.config, self.dtype)
+            params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+            self._eager_shapes = params, buffers, set(buffers) & set(model.state_dict(keep_vars=True))
+        return self._eager_shapes
+
+    def _holder(self, name: str) -> CompiledComponent | None:
+        """The compiled part whose module holds the eager VAE's tensor `name`, if any."""
+        return next((part for part in self.parts.values()
+                     if name in part._eager_names()[0] or name in part._eager_names()[1]), None)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:

@@ -24,7 +24,7 @@ from ..manifest import DTYPES
 from ..pipelines import pipeline_spec
 from ..private_apis import IncompatibleKeys
 from . import step_cache
-from .checkpoint import module_tensors, placed_writes
+from .checkpoint import QUANTIZED, module_tensors, placed_writes, placement, quant_scheme
 from .guards import StandIn, check_autocast
 from .lora import pop_scale
 from .refusals import COVER_HINT, unsupported_call
@@ -75,6 +75,9 @@ class CompiledComponent(StandIn):
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
         self._parameters_out: dict[str, torch.nn.Parameter] = {}  # handed out by named_parameters()
+        # What each was made as, its version then, and whether it is a copy of the bound memory.
+        self._handed: dict[str, tuple[torch.Tensor, int, bool]] = {}
+        self._eager_shapes: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]] | None = None
         self._weights_seen = False  # parameters() or state_dict() gave the bound tensors out
         self._replaced: str | None = None  # a bound tensor the eager fallback does not have
         self._signature: Any = None
@@ -109,41 +112,79 @@ class CompiledComponent(StandIn):
         """The base constants by FQN (the artifact's, or another checkpoint's), as bound at load."""
         return self._weights
 
-    # -- parameters and state dicts: the bound weights ----------------------------------------
+    # -- parameters and state dicts: the eager model's, over the bound weights ------------------
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """The bound weights, named as the compiled code binds them (a fused projection's
-        `to_qkv`, an int8 weight's data and scale): in-place edits reach the next call, and a
-        parameter whose `.data` is replaced is bound anew before it. Buffers are among them."""
-        for fqn in list(self._weights):
-            yield (f"{prefix}.{fqn}" if prefix else fqn), self._parameter(fqn)
+        """The eager model's parameters, by its names, shapes and dtype, over the bound weights: a
+        weight the code binds as it is is that very tensor, one fused into a projection its rows
+        of it (a view), an int8 weight a float copy made from it; one no compiled code reads is on
+        the meta device (it holds no values here). In-place edits reach the next call (a copy's
+        are written back through the recorded passes), and a parameter whose `.data` is replaced
+        is bound, or written, anew before it. Lifted constants (rotary tables) are none of them."""
+        for name in self._eager_names()[0]:
+            yield (f"{prefix}.{name}" if prefix else name), self._parameter(name)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(())  # every bound tensor is listed as a parameter
+        """The eager model's buffers: the bound tensor where the code binds one of that name, else
+        on the meta device (a table the model computes, compiled in as a constant)."""
+        for name in self._eager_names()[1]:
+            yield (f"{prefix}.{name}" if prefix else name), self._eager_tensor(name)[0]
 
     def get_parameter(self, target: str) -> torch.nn.Parameter:
-        if target not in self._weights:
-            raise AttributeError(f"{self.component_name} has no parameter {target!r} (its parameters are named as "
-                                 f"the compiled code binds them)")
+        if target not in self._eager_names()[0]:
+            raise AttributeError(f"{self.component_name} has no parameter {target!r}")
         return self._parameter(target)
 
-    def _parameter(self, fqn: str) -> torch.nn.Parameter:
+    def _eager_names(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+        """The eager model's parameters and buffers by name, on the meta device, and the buffers
+        its state dict holds (the persistent ones); made once."""
+        if self._eager_shapes is None:
+            from .lora import meta_model
+
+            model = self._spec.export_module(meta_model(self.config, self._dtype))
+            params, buffers = ({name.replace(".base_layer.", "."): tensor for name, tensor in named}
+                               for named in (model.named_parameters(), model.named_buffers()))
+            self._eager_shapes = params, buffers, set(buffers) & set(model.state_dict(keep_vars=True))
+        return self._eager_shapes
+
+    def _eager_tensor(self, name: str) -> tuple[torch.Tensor, bool]:
+        """An eager parameter or buffer made of the bound weights (see `named_parameters`), and
+        whether it is a copy of them rather than their memory."""
+        params, buffers, _ = self._eager_names()
+        meta = params.get(name, buffers.get(name))
+        fqn, rows = placement(name, {**params, **buffers}, self._weights)
+        if fqn is None:
+            return torch.empty(meta.shape, dtype=meta.dtype, device="meta"), False
+        bound = self._weights[fqn]
+        if QUANTIZED in fqn:  # an int8 weight: its float values
+            scale = self._weights[fqn[:-1] + "1"]
+            scheme = quant_scheme(self._recipe, self.component_name)
+            return scheme.dequantize(bound[rows], scale[rows], self._dtype), True
+        return (bound if rows == slice(0, None) else bound[rows]), False
+
+    def _parameter(self, name: str) -> torch.nn.Parameter:
         self._weights_seen = True
-        param = self._parameters_out.get(fqn)
+        param = self._parameters_out.get(name)
         if param is None:
-            param = self._parameters_out[fqn] = torch.nn.Parameter(self._weights[fqn], requires_grad=False)
+            tensor, copied = self._eager_tensor(name)
+            param = self._parameters_out[name] = torch.nn.Parameter(tensor, requires_grad=False)
+            self._handed[name] = (tensor, param._version, copied)
         return param
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """The bound weights by the compiled code's names (sharing their memory, as an eager
-        module's state dict does)."""
+        """The eager model's state dict (its names, its persistent buffers too), over the bound
+        weights as `named_parameters` gives them: `load_state_dict` takes it back."""
         self._weights_seen = True
         destination = collections.OrderedDict() if destination is None else destination
-        for fqn, tensor in self._weights.items():
-            destination[prefix + fqn] = self._parameter(fqn) if keep_vars else tensor.detach()
+        params, buffers, persistent = self._eager_names()
+        for name in params:
+            destination[prefix + name] = self._parameter(name) if keep_vars else self._parameter(name).detach()
+        for name in buffers:
+            if name in persistent:
+                destination[prefix + name] = self._eager_tensor(name)[0].detach()
         return destination
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
@@ -191,27 +232,36 @@ class CompiledComponent(StandIn):
             eager.load_state_dict({k: v for k, v in state_dict.items() if k in names}, strict=False)
 
     def _follow_parameters(self) -> None:
-        """A parameter handed out whose `.data` was replaced since (`p.data = new`): bind the new
-        tensor, as the eager module would then read it; refused when the compiled code cannot read
-        it as it is."""
-        for fqn, param in self._parameters_out.items():
-            base = self._weights[fqn]
-            if param.data_ptr() == base.data_ptr() and param.stride() == base.stride() and param.shape == base.shape \
-                    and param.dtype == base.dtype:
-                continue
-            if not same_layout(param.data, base, base.device):
-                raise UnsupportedCallError(
-                    f"{self.component_name}: parameter {fqn!r} was replaced by a {list(param.shape)} "
-                    f"{dtype_name(param.dtype)} tensor with strides {list(param.stride())} on {param.device}; the "
-                    f"compiled code reads {list(base.shape)} {dtype_name(base.dtype)} with strides "
-                    f"{list(base.stride())} on {base.device}",
-                    hint="write new values into the parameter in place (with torch.no_grad(): p.copy_(new)), or "
-                         "use load_state_dict()")
-            self._weights[fqn] = param.data
-            self._rebind({fqn: param.data})
-            self._replaced = fqn
-            if self._lora is not None:
-                self._lora.rebase()
+        """Parameters handed out, as the eager module would read them now: one whose `.data` was
+        replaced (`p.data = new`) is bound anew where the code binds it as it is (refused when the
+        compiled code cannot read the new tensor as it is), else written through the recorded
+        passes; a copy (an int8 weight's float values) edited in place is written back."""
+        for name, param in self._parameters_out.items():
+            handed, version, copied = self._handed[name]
+            same = param.data_ptr() == handed.data_ptr() and param.stride() == handed.stride() \
+                and param.shape == handed.shape and param.dtype == handed.dtype
+            if same and (not copied or param._version == version):
+                continue  # unchanged, or edited in place in the memory the code reads
+            if name in self._weights and not same:  # bound as it is: the new tensor is bound
+                base = self._weights[name]
+                if not same_layout(param.data, base, base.device):
+                    raise UnsupportedCallError(
+                        f"{self.component_name}: parameter {name!r} was replaced by a {list(param.shape)} "
+                        f"{dtype_name(param.dtype)} tensor with strides {list(param.stride())} on {param.device}; "
+                        f"the compiled code reads {list(base.shape)} {dtype_name(base.dtype)} with strides "
+                        f"{list(base.stride())} on {base.device}",
+                        hint="write new values into the parameter in place (with torch.no_grad(): p.copy_(new)), or "
+                             "use load_state_dict()")
+                self._weights[name] = param.data
+                self._rebind({name: param.data})
+                self._replaced = name
+                if self._lora is not None:
+                    self._lora.rebase()
+                copied = False  # the parameter is the bound memory again
+            else:  # rows of a fused projection, an int8 weight: its values written through the passes
+                self._write(self._planned_writes({name: param.data}), {name: param.data})
+                copied = True  # the parameter's memory is the caller's: later edits are written back too
+            self._handed[name] = (param.data, param._version, copied)
 
     # -- weights ------------------------------------------------------------------------------
 
