@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .errors import BuildError
-from .pipelines import TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
+from .pipelines import FRAMES, TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
 from .private_apis import pytree
 
 
@@ -168,27 +168,13 @@ def capture_inputs(
     and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
     the run whose calls are returned, and that run's `steps`."""
     specs = [s for s in specs if s.recorded]
-    count = per_prompt(type(pipe).__call__)
-    prompt: dict[str, Any] = {"prompt": capture_prompt(text), count: batch}
-    if prompt_embeds is not None:
-        prompt = {**prompt_embeds, count: 1}
-    if text is not None:
-        prompt[TEXT] = text
-    size = exact_size(type(pipe), height, width, editing=image is not None, frames=frames)
+    arguments = call_arguments(pipe, batch=batch, height=height, width=width, guidance_scale=guidance_scale,
+                               text=text, prompt_embeds=prompt_embeds, extras=extras, image=image, frames=frames)
     # A scheduler stretched to a terminal sigma (LTX-Video's shift_terminal) has no 1-step schedule.
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
-        with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds, torch.no_grad(), \
-                _quiet_truncation():
-            try:
-                pipe(
-                    **prompt, **size, **({"image": seeded_image(*image)} if image else {}),
-                    num_inference_steps=steps, guidance_scale=guidance_scale, output_type="np",
-                    generator=torch.Generator("cpu").manual_seed(0), **(extras or {}),
-                )
-            except ValueError as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s)
-                raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
-                                 f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error
+        with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds:
+            run_pipeline(pipe, arguments, steps, "np")
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break
@@ -198,6 +184,37 @@ def capture_inputs(
     if timings is not None:
         timings.update(seconds, steps=steps)
     return calls
+
+
+def call_arguments(pipe: Any, *, batch: int, height: int, width: int, guidance_scale: float,
+                   text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
+                   extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None,
+                   frames: int | None = None) -> dict[str, Any]:
+    """The pipeline call a capture makes at this shape (see `capture_inputs`), but its steps and
+    output type."""
+    count = per_prompt(type(pipe).__call__)
+    prompt: dict[str, Any] = {"prompt": capture_prompt(text), count: batch}
+    if prompt_embeds is not None:
+        prompt = {**prompt_embeds, count: 1}
+    if text is not None:
+        prompt[TEXT] = text
+    size = exact_size(type(pipe), height, width, editing=image is not None, frames=frames)
+    return {**prompt, **size, **({"image": seeded_image(*image)} if image else {}), "guidance_scale": guidance_scale,
+            **(extras or {})}
+
+
+def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: str) -> Any:
+    """The pipeline called with `call_arguments` for `steps` steps, seeded: its images (videos),
+    or its final latents for `output_type="latent"`."""
+    with torch.no_grad(), _quiet_truncation():
+        try:
+            result = pipe(**arguments, num_inference_steps=steps, output_type=output_type,
+                          generator=torch.Generator("cpu").manual_seed(0))
+        except ValueError as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s)
+            size = {k: v for k, v in arguments.items() if k in ("height", "width", FRAMES)}
+            raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
+                             f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error
+    return result.frames if hasattr(result, "frames") else result.images
 
 
 def random_call(pipe: Any, spec: ComponentSpec, batch: int, height: int, width: int,

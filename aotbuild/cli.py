@@ -707,7 +707,9 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
                      + (f", {layouts} stored in memory order" if layouts else "") + ")")
         for v in c["variants"]:
             num = v.get("numerics", {})
-            error = f"rel.err {num.get('max_rel_error', float('nan')):.2e} (tol {num.get('tolerance', '?')})"
+            error = (f"rel.err {num.get('max_rel_error', float('nan')):.2e}"
+                     + (f" L2 {num['rel_l2_error']:.2e}" if "rel_l2_error" in num else "")
+                     + f" (tol {num.get('tolerance', '?')})")
             prepared = f"   {len(v['prepared'])} constants prepared at load" if v.get("prepared") else ""
             lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}{prepared}   {_inputs_text(v['inputs'])}")
         if c.get("mode") == "regional":
@@ -718,6 +720,9 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
             lines.append(f"  {name:<26} {_mib(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
     total = sum(f["bytes"] for f in m["files"].values())
     lines.append(f"  {'total':<26} {_mib(total):>10}")
+    if loop := m.get("validation", {}).get("loop"):
+        lines.append(f"loop       {loop['steps']} steps at {loop['at']}, compiled vs eager float32: {loop['compared']} "
+                     f"rel.err {loop['max_rel_error']:.2e} L2 {loop['rel_l2_error']:.2e} (tol {loop['tolerance']})")
     lines.append("timings    " + "  ".join(f"{k} {v:.1f}s" for k, v in m["timings"].items()))
     if m.get("peak_gpu_mib"):
         lines.append("peak GPU   " + "  ".join(f"{k} {v / 1024:.1f} GiB" for k, v in m["peak_gpu_mib"].items()))

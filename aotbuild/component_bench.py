@@ -50,6 +50,7 @@ COMPONENT_FIGURES = {
     "disk_mib": "bytes of what the runtime loads: the artifact's package and weights, or the peer's saved model",
     "max_abs_error": "largest absolute difference from eager float32 on the recorded call",
     "max_rel_error": "max_abs_error / the largest absolute value of eager float32's output",
+    "rel_l2_error": "the difference's L2 norm / eager float32's output's (every output)",
     "stand_in_us": "aot stand-ins: a call with its compiled model's run taken out (dispatch, flattening, checks, "
                    "prepared weights' versions, lock), microseconds, the median of 200 after the rounds",
 }
@@ -119,7 +120,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     """
     from .backends import built_artifact
     from .bench import write_document
-    from .builder.validate import output_error
+    from .builder.validate import output_errors
     from .manifest import environment, read_manifest
     from .pipelines import pipeline_spec
     from .targets import load_target
@@ -161,8 +162,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             start = time.perf_counter()
             output = runtimes[name].call()
             runtimes[name].figures["first_call_s"] = time.perf_counter() - start
-            error, relative = output_error(output, call.output)
-            runtimes[name].figures |= {"max_abs_error": error, "max_rel_error": relative}
+            runtimes[name].figures |= output_errors(output, call.output)
         say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
         with _spinning(busy):
             times = _rounds(runtimes, rounds)

@@ -379,3 +379,40 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
     assert "--allow-numerics-drift" in info.value.hint
     validate_artifact(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=True)
     assert manifest["components"]["vae_decoder"]["variants"][2]["numerics"]["max_rel_error"] > 0.3
+
+
+def test_a_denoising_loop_that_drifts_fails_the_build_though_each_call_is_within_tolerance(artifact_copy,
+                                                                                          tiny_target):
+    """Each variant is checked on single calls; the build also runs a short denoising loop, eager
+    float32 at capture and compiled at the end (the artifact loaded as a load loads it), and holds
+    its final latents to the same tolerance: an error that grows over the steps fails the build."""
+    from aotbuild.builder.capturing import LOOP_STEPS, Loop, capture_all
+    from aotbuild.builder.plan import plan_target
+    from aotbuild.builder.validate import validate_loop
+    from aotbuild.errors import NumericsError
+    from aotbuild.pipelines import pipeline_spec
+
+    built = read_manifest(artifact_copy)
+    assert built["validation"]["loop"]["steps"] == LOOP_STEPS and built["validation"]["loop"]["compared"] == \
+        "final latents"
+    assert built["validation"]["loop"]["rel_l2_error"] < 1e-4  # float32: rounding alone
+    spec = pipeline_spec(tiny_target.pipeline)
+    specs = [spec.component(n) for n in tiny_target.components]
+    pipe = eager_pipeline(tiny_target)
+    points, plans = plan_target(tiny_target, spec, specs, pipe.vae, 1)
+    loop = Loop(plans["unet"][0].points[0], LOOP_STEPS)
+    capture_all(pipe, spec, specs, tiny_target, {loop.point: points[loop.point]}, torch.device("cpu"),
+                lambda stage, msg: None, loop=loop)
+    for s in specs:
+        setattr(pipe, s.attribute, None)
+    manifest = read_manifest(artifact_copy)
+    figures = validate_loop(artifact_copy, manifest, pipe, spec, loop, torch.device("cpu"), allow_drift=False)
+    assert figures["rel_l2_error"] < 1e-4 and figures["at"] == "b1_64x64"
+    loop.latents = loop.latents * 1.01  # as if the steps had carried an error forward
+    with pytest.raises(NumericsError, match=r"a 3-step denoising loop at b1_64x64 drifts from eager float32: its "
+                                            r"final latents' relative error 0\.0099\d* > 0\.001 \(every single call "
+                                            r"was within it"):
+        validate_loop(artifact_copy, manifest, pipe, spec, loop, torch.device("cpu"), allow_drift=False)
+    assert validate_loop(artifact_copy, manifest, pipe, spec, loop, torch.device("cpu"),
+                         allow_drift=True)["max_rel_error"] > 1e-3
+

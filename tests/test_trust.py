@@ -790,6 +790,25 @@ class LocalHandle:
 
 # -- Process state and concurrency ----------------------------------------------------------------
 
+def test_every_output_is_compared_with_a_max_and_an_l2_error():
+    """The build compared a variant's first output only, by its largest difference: a wrong second
+    output, or an error spread thin over every value, passed."""
+    from aotbuild.builder.validate import beyond_tolerance, output_errors
+
+    sample, other = torch.ones(100), torch.linspace(-1, 1, 100)
+    assert output_errors((sample, other), (sample, other))["max_rel_error"] == 0
+    wrong_second = output_errors((sample, other * 1.01), (sample, other))
+    assert 0.0099 < wrong_second["max_rel_error"] < 0.0101
+    assert beyond_tolerance(wrong_second, 1e-3).startswith("relative error 0.01")
+    peaked = torch.zeros(100)
+    peaked[0] = 100.0  # one large value: the max error relative to it hides an error everywhere else
+    spread = output_errors(peaked + torch.full((100,), 0.5), peaked)
+    assert spread["max_rel_error"] == 0.005 and spread["rel_l2_error"] > 0.04
+    assert beyond_tolerance(spread, 0.01).startswith("relative L2 error 0.05")
+    assert output_errors((sample,), (sample, other))["max_rel_error"] != output_errors((sample,), (sample,))[
+        "max_rel_error"]  # another number of outputs: NaN, which no tolerance passes
+
+
 def test_export_context_is_entered_with_its_block():
     from aotbuild import optimize
 

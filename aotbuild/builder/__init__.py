@@ -41,6 +41,8 @@ from ..runtime.cache import check_artifact_files, mark_verified
 from ..runtime.variant import tf32
 from ..targets import Target
 from .capturing import (
+    LOOP_STEPS,
+    Loop,
     capture_all,
     default_pixels,
     eager_share,
@@ -56,7 +58,7 @@ from .plan import check_frames, guidance_modes, plan_target
 from .record import build_environment, permuted_inputs, source_record
 from .regional import build_regional
 from .transaction import STAGING_DIRNAME, recover_stale_staging, replace_folder, target_lock
-from .validate import validate_artifact
+from .validate import validate_artifact, validate_loop
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
@@ -167,9 +169,13 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
     instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}
     eager_vae = eager_vae_record(pipe, spec, specs)
+    denoiser = next((s for s in specs if s.denoiser), None)
+    # The short denoising loop: at the denoiser's first variant's export point, eager now, compiled at the end.
+    loop = Loop(plans[denoiser.name][0].points[0], LOOP_STEPS) if denoiser else None
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
-                                                       instances, timed=eager_vae and eager_vae.pop("timed"))
+                                                       instances, timed=eager_vae and eager_vae.pop("timed"),
+                                                       loop=loop)
     if eager_vae:
         eager_vae["share"] = eager_share(pipe, plans[next(s.name for s in specs if s.denoiser)], seconds)
     found = regions.group(instances, block_calls) if instances else []
@@ -211,9 +217,13 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
                # each step's sigma lookup costs no device sync; diffusers' Euler schedulers do this).
                "sigmas_device": str(getattr(getattr(pipe.scheduler, "sigmas", None), "device", "n/a")),
                "default_pixels": default_pixels(pipe, spec, target)}
-    # Compile needs only the modules being compiled and the example inputs on the device.
+    # Compile needs only the modules being compiled and the example inputs on the device; the loop
+    # needs the pipeline's other components, later: they wait on the host.
     release_others(pipe, specs)
-    del pipe
+    for s in specs:
+        setattr(pipe, s.attribute, None)
+    if loop is None:
+        del pipe
     free_device_memory(device)
 
     # The guidance each denoiser variant serves, where its batch says it (none: the same either way).
@@ -254,6 +264,10 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     }
     for entry in components.values():  # just hashed: this machine's first load need not read them again
         mark_verified(out / entry["weights"], manifest["files"][entry["weights"]]["sha256"])
+    if loop is not None:
+        with stages("validate", f"a {loop.steps}-step denoising loop, compiled vs eager float32"):
+            manifest["validation"] = {"loop": validate_loop(out, manifest, pipe, spec, loop, device, allow_drift)}
+        del pipe
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
     if stages.cuda:
         manifest["peak_gpu_mib"] = stages.peak_gpu_mib

@@ -6,14 +6,17 @@ from __future__ import annotations
 import gc
 import inspect
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import capture, optimize, regions, sources
+from ..errors import BuildError
 from ..manifest import DTYPES
 from ..pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec
+from ..private_apis import pytree
 from ..targets import Target
 from .context import Progress
 from .plan import CapturePoint, VariantPlan
@@ -37,13 +40,14 @@ def release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
 
 def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
                  device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module] | None = None,
-                 timed: dict[str, tuple[torch.nn.Module, str]] | None = None,
+                 timed: dict[str, tuple[torch.nn.Module, str]] | None = None, loop: Loop | None = None,
                  ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls],
                             dict[str, dict[str, float]]]:
     """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
     seconds in each of the `timed` methods and the run's steps}, for the point that ran the pipeline):
     one pipeline call per distinct point for the components the pipeline calls; random inputs for
-    the others (the encoder) and for tiles.
+    the others (the encoder) and for tiles. At `loop`'s point, also a short denoising loop, whose
+    call and final latents it keeps (`Loop`: the build runs the same loop compiled).
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
     batch size and leave, then the denoiser and VAE run the pipeline from those embeddings. The
@@ -77,16 +81,21 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
         key = point.run
         calls[name] = {}
         if point.tile_of is None and recorded:  # capture_inputs records these only
+            shape = {"batch": point.batch, "height": point.height, "width": point.width,
+                     "guidance_scale": target.guidance_scale if point.guided else UNGUIDED, "text": point.text,
+                     "prompt_embeds": embeds.get((point.batch, point.guided, point.text)),
+                     "extras": spec.call_extras(point.batch, point.height, point.width, point.images),
+                     "image": point.image, "frames": point.frames}
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
-                extras = spec.call_extras(point.batch, point.height, point.width, point.images)
                 with regions.recording(blocks or {}) as block_runs[key]:
-                    runs_done[key] = capture.capture_inputs(
-                        pipe, recorded, batch=point.batch, height=point.height, width=point.width,
-                        guidance_scale=target.guidance_scale if point.guided else UNGUIDED, text=point.text,
-                        prompt_embeds=embeds.get((point.batch, point.guided, point.text)), extras=extras,
-                        image=point.image, frames=point.frames, timed_methods=timed,
-                        timings=seconds.setdefault(name, {}))
+                    runs_done[key] = capture.capture_inputs(pipe, recorded, **shape, timed_methods=timed,
+                                                            timings=seconds.setdefault(name, {}))
+            if loop is not None and name == loop.point:
+                loop.steps = max(loop.steps, seconds.get(name, {}).get("steps", 1))  # every model called
+                progress("capture", f"a {loop.steps}-step denoising loop at {point}")
+                loop.arguments = capture.detached(capture.call_arguments(pipe, **shape))
+                loop.latents = loop.run(pipe)
             calls[name].update(runs_done[key])
             if blocks:
                 block_calls[name] = block_runs[key]
@@ -94,6 +103,35 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
     return calls, block_calls, seconds
+
+
+LOOP_STEPS = 3  # a short loop: long enough for an error to grow over steps, short at any size
+
+
+@dataclass
+class Loop:
+    """A short denoising loop the build runs eager float32 at capture (at `point`, for `steps`
+    steps, or as many as the capture needed for every model to be called) and again compiled:
+    the pipeline call it made (`arguments`) and its final latents (`latents`). A single call
+    within tolerance can still drift over steps: the loop shows it."""
+
+    point: str
+    steps: int
+    arguments: dict[str, Any] | None = None
+    latents: Any = None
+    output_type: str = "latent"  # "np" for a pipeline that gives no latents: its final images
+
+    def run(self, pipe: Any) -> Any:
+        """The loop's final latents (on the host) from this pipeline: eager, or compiled."""
+        try:
+            made = capture.run_pipeline(pipe, self.arguments, self.steps, self.output_type)
+        except (BuildError, TypeError, AttributeError, KeyError):
+            if self.output_type != "latent" or self.latents is not None:
+                raise
+            self.output_type = "np"  # a pipeline whose call cannot return its latents
+            made = capture.run_pipeline(pipe, self.arguments, self.steps, self.output_type)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True),
+                                    made if self.output_type == "latent" else torch.as_tensor(made))
 
 
 def eager_vae_record(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:
