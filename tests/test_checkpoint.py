@@ -4,6 +4,7 @@ torchao's int8 scheme re-implemented bit for bit; the small parsers of the LoRA 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -71,6 +72,36 @@ def test_another_architecture_names_the_first_difference():
     with pytest.raises(IncompatibleArtifactError, match=r"attn: the weights have no tensor 'to_q.weight'"):
         checkpoint_constants("attn", {k: v for k, v in expected.items() if k != "to_q.weight"}, expected,
                              torch.float32, None, torch.device("cpu"))
+
+
+def test_a_config_key_is_compiled_unless_decided_otherwise():
+    """A checkpoint's config: keys no compiled code reads are the checkpoint's; any other key,
+    undecided ones included, must hold the artifact's value; what a config says of itself (its
+    diffusers version, its folder) is never compared; a key one side lacks is the class default."""
+    import diffusers
+
+    from aotbuild.pipelines import COMPILED_AT_DTYPE, COMPILED_VAES, VAE_DECODER, runtime_config_keys
+    from aotbuild.runtime.checkpoint import checkpoint_config
+
+    keys = {k for name in COMPILED_VAES for k in inspect.signature(getattr(diffusers, name).__init__).parameters}
+    assert set(VAE_DECODER.runtime_config) <= keys  # every decided key is one a compiled VAE has
+    vae = diffusers.AutoencoderKL
+    recorded = {"_class_name": "AutoencoderKL", "block_out_channels": [32, 64],
+                "scaling_factor": 0.13025, "_diffusers_version": "0.41.0"}
+    given = {"block_out_channels": (32, 64), "scaling_factor": 0.3, "_diffusers_version": "0.42.1",
+             "_name_or_path": "/data/finetune/vae", "act_fn": "silu"}  # act_fn: the class default, absent above
+    runtime = runtime_config_keys(VAE_DECODER, "bfloat16")
+    assert checkpoint_config("vae_decoder", recorded, given, vae, runtime)["scaling_factor"] == 0.3
+    with pytest.raises(IncompatibleArtifactError, match=r"^vae_decoder: the weights' config differs from the "
+                       r"artifact's in 'norm_num_groups' \(16 in the weights, 32 in the artifact\)"):
+        checkpoint_config("vae_decoder", recorded, {**given, "norm_num_groups": 16}, vae, runtime)
+    with pytest.raises(IncompatibleArtifactError, match=r"in '_class_name' \(\"AutoencoderKLFlux2\" in the weights"):
+        checkpoint_config("vae_decoder", recorded, given, diffusers.AutoencoderKLFlux2, runtime)
+    assert "force_upcast" in COMPILED_AT_DTYPE["float16"] and "force_upcast" not in runtime_config_keys(
+        VAE_DECODER, "float16")  # a float16 target keeps such a VAE in float32: compiled
+    with pytest.raises(IncompatibleArtifactError, match=r"in 'force_upcast' \(false in the weights, true"):
+        checkpoint_config("vae_decoder", {**recorded, "force_upcast": True}, {**given, "force_upcast": False}, vae,
+                          runtime_config_keys(VAE_DECODER, "float16"))
 
 
 def test_parse_lora_and_the_per_call_scale(tmp_path, monkeypatch):
