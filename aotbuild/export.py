@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
+from . import shapes
 from .errors import AotbuildError, BuildError
 from .private_apis import (
     aot_compile,
     cuda_compiler,
+    declare_equal_sizes,
     inductor_config,
     onednn_convolutions,
     onednn_linears,
@@ -177,6 +179,28 @@ def input_dims(program: torch.export.ExportedProgram) -> list[list[int | str]]:
     return [[d if isinstance(d, int) else str(d.node.expr) for d in shape] for shape in _input_shapes(program)]
 
 
+def unify_input_sizes(program: torch.export.ExportedProgram, dims: list[list[Any]]) -> None:
+    """Give the input dims that one export `Dim` spans (`shapes.export_dim_key`; `dims`: each
+    tensor input's, in the call's leaf order) one symbol in the program's symbolic shapes, as they
+    have one size at every call (the runtime checks it). Export gives each its own symbol, and
+    inductor then nests floor divisions of them at each attention's reshape: minutes per lowering
+    on a real-size denoiser (`private_apis.declare_equal_sizes`)."""
+    import sympy
+
+    first: dict[tuple, Any] = {}
+    for leaf_dims, shape in zip(dims, _input_shapes(program), strict=True):
+        for dim, size in zip(leaf_dims, shape, strict=True):
+            key = shapes.export_dim_key(dim)
+            if key is None or isinstance(size, int):
+                continue
+            coefficient, symbol = sympy.sympify(size.node.expr).as_coeff_Mul()
+            if not isinstance(symbol, sympy.Symbol):
+                continue
+            same = first.setdefault((*key, coefficient), symbol)
+            if same != symbol:
+                declare_equal_sizes(program, symbol, same)
+
+
 def _input_shapes(program: torch.export.ExportedProgram) -> list[tuple]:
     from torch.export.graph_signature import InputKind, TensorArgument
 
@@ -190,14 +214,14 @@ def shape_guards(program: torch.export.ExportedProgram) -> list[str]:
     guards export added where the traced code branched on a size (Z-Image pads its caption to a
     multiple of 32 only when it is not one; a size-1 pad would be specialized), as Python
     expressions over the symbols of `input_dims`. AOTInductor checks none of them at run time."""
-    shapes = shape_env(program)
-    if shapes is None:
+    env = shape_env(program)
+    if env is None:
         return []
     inputs = {symbol for shape in _input_shapes(program) for d in shape if not isinstance(d, int)
               for symbol in d.node.expr.free_symbols}
     printer, guards = python_printer(), []
-    for guard in shapes.guards:
-        expr = shapes.replace(guard.expr)
+    for guard in env.guards:
+        expr = env.replace(guard.expr)
         if expr.free_symbols and expr.free_symbols <= inputs and expr not in (True, False):
             text = printer.doprint(expr)
             if text not in guards:

@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "IncompatibleKeys", "accept_compiled_class", "aot_compile", "aoti_runner", "block_registry", "borrowed_mkldnn",
-    "cuda_compiler", "fake_tensor_mode", "inductor_config", "mkldnn_memory", "onednn_convolutions", "onednn_linears",
+    "cuda_compiler", "declare_equal_sizes", "fake_tensor_mode", "inductor_config", "mkldnn_memory",
+    "onednn_convolutions", "onednn_linears",
     "package_aoti", "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds",
     "serve_http_port", "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
 ]
@@ -277,6 +278,16 @@ def shape_env(program: torch.export.ExportedProgram) -> Any:
     from torch.export.exported_program import _get_shape_env
 
     return _get_shape_env(program.graph_module)
+
+
+def declare_equal_sizes(program: torch.export.ExportedProgram, size: Any, same: Any) -> None:
+    """ShapeEnv._set_replacement: tell the exported program's symbolic shapes that the input size
+    `size` (a sympy Symbol) is `same`. torch.export gives each input dim its own symbol even where
+    one `Dim` spans several inputs (it checks their equality only at the inputs), so inductor
+    lowers the UNet's `view(batch, -1, heads, dim)` to floor(s1 * n / s2) and nests it deeper at
+    each attention: on the real SDXL UNet sympy's simplification of those sizes outgrew 30 minutes.
+    Without it: a dynamic batch over a real-size denoiser does not finish compiling."""
+    shape_env(program)._set_replacement(size, same, "aotbuild: one export Dim")
 
 
 def python_printer() -> Any:

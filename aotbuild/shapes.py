@@ -176,6 +176,19 @@ def in_call_batches(dims: list[list[Any]]) -> list[list[Any]]:
     return result
 
 
+def export_dim_key(dim: Any) -> tuple | None:
+    """Which export `Dim` `export_dynamic_shapes` gives this leaf dim: dims with the same key get
+    the same expression of the same Dim. None for a static dim, and for a sequence (`Dim.AUTO`
+    there: export relates them itself)."""
+    if not isinstance(dim, dict) or dim["axis"] in SEQUENCES:
+        return None
+    if dim["axis"] == "batch":
+        return ("batch", dim["factor"])
+    if dim["axis"] == FRAME_AXIS:
+        return (FRAME_AXIS,)
+    return (dim["axis"], dim["multiple"])
+
+
 def export_dynamic_shapes(module: torch.nn.Module, args: tuple, kwargs: dict, dims: list[list[Any]],
                           ranges: dict[str, list[int]], stride: int, tokens: Any = None) -> dict[str, Any]:
     """The `dynamic_shapes` argument of torch.export for this call, keyed by parameter name.

@@ -204,3 +204,39 @@ def test_probe_moves_batch_even_when_the_only_other_value_is_one():
     points = probe_points({"batch": [1, 2], "height": [32, 32], "width": [32, 96]}, 4)
     assert points["base"][0] == 2 and points["batch"][0] == 1
     assert points["height"][1] == points["base"][1] == 32  # a fixed axis stays put
+
+
+def test_inputs_one_dim_spans_share_one_symbol_for_inductor():
+    """torch.export gives every input dim its own symbol, even where one Dim spans several inputs;
+    inductor then lowers each attention's view(batch, -1, heads, dim) to floor(s1 * n / s2) and
+    nests it at the next one (a real SDXL UNet's compile did not finish in 30 minutes). After
+    `unify_input_sizes` the batch of every input is one symbol and those sizes simplify."""
+    import sympy
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.utils._sympy.functions import FloorDiv
+
+    from aotbuild import export
+    from aotbuild.private_apis import shape_env
+    from aotbuild.shapes import export_dynamic_shapes
+
+    folder = TARGETS / "configs" / "tiny-sdxl" / "unet"
+    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder)).eval()
+    config = unet.config
+    text = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+    args = (torch.randn(2, 4, 8, 8), torch.tensor(10.0))
+    kwargs = {"encoder_hidden_states": torch.randn(2, 77, config.cross_attention_dim),
+              "added_cond_kwargs": {"text_embeds": torch.randn(2, text), "time_ids": torch.randn(2, 6)}}
+    batch = {"axis": "batch", "factor": 1}
+    dims = [[batch, 4, 8, 8], [], [batch, 77, config.cross_attention_dim], [batch, text], [batch, 6]]
+    dynamic = export_dynamic_shapes(unet, args, kwargs, dims, {"batch": [1, 2]}, 8)
+    program = export.export_variant(unet, args, kwargs, None, dynamic)
+    sizes = [shape[0].node.expr for shape in export._input_shapes(program) if shape]
+    assert len(set(sizes)) == 4  # what export gives: a symbol per input
+    env = shape_env(program)
+    assert env.simplify(FloorDiv(sizes[0] * 7, sizes[1])) != 7
+
+    export.unify_input_sizes(program, dims)
+    assert len({env.replace(size) for size in sizes}) == 1
+    assert env.simplify(FloorDiv(sizes[0] * 7, sizes[1])) == 7
+    assert isinstance(env.replace(sizes[0]), sympy.Symbol)

@@ -147,6 +147,8 @@ def export_checked(ctx: BuildContext, module: torch.nn.Module, name: str, plan: 
         entry.pop("guards", None)
         _record_relations(entry, program, call, name)
         _check_served(program, entry, call, served, name, plan.name)
+        if leaf_dims is not None:
+            export.unify_input_sizes(program, leaf_dims)
         return program
 
     _check_values(call, served, name, plan.name)
