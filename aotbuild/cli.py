@@ -724,6 +724,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         lines.append(f"loop       {loop['steps']} steps at {loop['at']}, compiled vs eager float32: {loop['compared']} "
                      f"rel.err {loop['max_rel_error']:.2e} L2 {loop['rel_l2_error']:.2e} (tol {loop['tolerance']})")
     lines.append("timings    " + "  ".join(f"{k} {v:.1f}s" for k, v in m["timings"].items()))
+    if m.get("peak_rss_mib"):
+        lines.append("peak RSS   " + "  ".join(f"{k} {v / 1024:.1f} GiB" for k, v in m["peak_rss_mib"].items()))
     if m.get("peak_gpu_mib"):
         lines.append("peak GPU   " + "  ".join(f"{k} {v / 1024:.1f} GiB" for k, v in m["peak_gpu_mib"].items()))
     if m.get("runtime", {}).get("cuda_graphs"):

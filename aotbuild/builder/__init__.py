@@ -47,7 +47,7 @@ from .capturing import (
     default_pixels,
     eager_share,
     eager_vae_record,
-    free_device_memory,
+    free_memory,
     load_source_pipeline,
     optimize_pipeline,
     release_others,
@@ -224,7 +224,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         setattr(pipe, s.attribute, None)
     if loop is None:
         del pipe
-    free_device_memory(device)
+    free_memory(device)
 
     # The guidance each denoiser variant serves, where its batch says it (none: the same either way).
     modes = guidance_modes(target, spec) if spec.cfg_batch and batches_guidance(reference, specs) else ()
@@ -234,9 +234,10 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         dtype = records["dtype"][s.name]
         components[s.name] = build_regional(ctx, s, modules[s.name], found, instances, plans[s.name], dtype) \
             if s is regional else build_component(ctx, s, modules[s.name], plans[s.name], dtype)
+        free_memory(device)  # its exported programs and compiled graphs, before the next one's
     # validate binds the packaged weights: the eager copies and the example inputs go first
     del modules, examples, instances, ctx
-    free_device_memory(device)
+    free_memory(device)
     if sources.is_random(target.source):
         shutil.copytree(sources.config_set_dir(target.source, target.base_dir), out / sources.SOURCE_DIRNAME)
 
@@ -269,6 +270,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
             manifest["validation"] = {"loop": validate_loop(out, manifest, pipe, spec, loop, device, allow_drift)}
         del pipe
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
+    if stages.peak_rss_mib:
+        manifest["peak_rss_mib"] = stages.peak_rss_mib
     if stages.cuda:
         manifest["peak_gpu_mib"] = stages.peak_gpu_mib
     write_manifest(out, manifest)

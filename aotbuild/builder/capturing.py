@@ -3,6 +3,8 @@ recorded, apply the optimization passes."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import inspect
 import math
@@ -22,11 +24,15 @@ from .context import Progress
 from .plan import CapturePoint, VariantPlan
 
 
-def free_device_memory(device: torch.device) -> None:
-    """Hand freed tensors back to the device (exported graphs hold their weights in reference cycles)."""
+def free_memory(device: torch.device) -> None:
+    """Hand freed tensors back: exported graphs hold their weights in reference cycles, which
+    only the collector frees, and glibc keeps freed heap pages unless asked (a real-size build's
+    validation loads its weights on top of them: 23 GB peak for SDXL's 4.9 GB, 2.5x without)."""
+    gc.collect()
     if device.type == "cuda":
-        gc.collect()
         torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
