@@ -573,7 +573,7 @@ def _convert(args: argparse.Namespace) -> None:
     from .peers import call_tensors, tensor_program
 
     target = _case_target(args.case, args.target)
-    reference, call = reference_call(target, _denoiser_spec(target))
+    _, reference, call = reference_call(target, _denoiser_spec(target))
     folder = Path(args.peer_dir)
     folder.mkdir(parents=True, exist_ok=True)
     PEERS[args.case].convert(tensor_program(reference, call.args, call.kwargs), folder)

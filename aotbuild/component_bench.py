@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,9 +49,14 @@ COMPONENT_FIGURES = {
     "prepare_s": "from files on disk (or the eager module) to ready: load and bind, or the runtime's own compile",
     "convert_s": "peers: torch.export of the float32 model and the runtime's conversion, saved",
     "disk_mib": "bytes of what the runtime loads: the artifact's package and weights, or the peer's saved model",
+    "rss_added_mib": "resident memory the runtime added, prepared and called once (eager: none where it is the "
+                     "float32 reference itself; made from it in place, what its dtype and passes added or freed)",
     "max_abs_error": "largest absolute difference from eager float32 on the recorded call",
     "max_rel_error": "max_abs_error / the largest absolute value of eager float32's output",
     "rel_l2_error": "the difference's L2 norm / eager float32's output's (every output)",
+    "gflop_s": "the call's floating-point work (counted once, on fake tensors) / call_s, GFLOP/s",
+    "of_peak": "gflop_s / the machine's peak for the target's dtype (meta.peak_gflop_s: the larger of a large "
+               "GEMM's and a 3x3 convolution's, timed here)",
     "stand_in_us": "aot stand-ins: a call with its compiled model's run taken out (dispatch, flattening, checks, "
                    "prepared weights' versions, lock), microseconds, the median of 200 after the rounds",
 }
@@ -119,7 +125,8 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             target to compare against that is another pipeline or lacks the component.
     """
     from .backends import built_artifact
-    from .bench import write_document
+    from .bench import rss_mib, write_document
+    from .builder.capturing import free_memory
     from .builder.validate import output_errors
     from .manifest import environment, read_manifest
     from .pipelines import pipeline_spec
@@ -149,36 +156,62 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         skipped["aot-model"] = "a regional artifact's model is its blocks, run by the code between them"
 
     say(f"eager float32: the call {component} gets at {target.shapes[0]}, and its output")
-    reference, call = reference_call(target, spec)
+    pipe, reference, call = reference_call(target, spec)
+    flop = call_flop(reference, call)
     runtimes: dict[str, _Runtime] = {}
     converted: dict[Callable, tuple[Path, float]] = {}
     with tempfile.TemporaryDirectory(prefix="aotbuild-peers-") as work, torch.no_grad():
         order = []  # (name, case, artifact): the other builds' stand-ins right after aot's
         for case in (c for c in cases if c not in skipped):
             order += [(case, case, folder)] + ([(n, "aot", f) for n, f in others.items()] if case == "aot" else [])
+        # At real size the runtimes do not fit beside the float32 reference (SDXL's UNet: 10.3 GB, and
+        # each peer's conversion as much again): the peers convert from it first, the recipe is made
+        # from it in place, and it is freed before anything is loaded.
+        for case in (case for _, case, _ in order if case in PEERS and PEERS[case].convert not in converted):
+            say(f"converting for {case}")
+            start = time.perf_counter()
+            saved = Path(work) / case
+            saved.mkdir()
+            PEERS[case].convert(tensor_program(reference, call.args, call.kwargs), saved)
+            converted[PEERS[case].convert] = (saved, time.perf_counter() - start)
+            free_memory(torch.device("cpu"))
+        before, start = rss_mib(), time.perf_counter()
+        recipe = _recipe(target, spec, pipe, reference, call) if {"eager", "compile"} & set(cases) else None
+        recipe_rss, recipe_s = rss_mib() - before, time.perf_counter() - start
+        del pipe, reference
+        free_memory(torch.device("cpu"))
         for name, case, artifact in order:
             say(f"preparing {name}")
-            runtimes[name] = _prepare(case, target, spec, artifact, reference, call, runtimes, converted, Path(work))
+            before = rss_mib()
+            runtimes[name] = _prepare(case, target, spec, artifact, call, recipe, runtimes, converted)
             start = time.perf_counter()
             output = runtimes[name].call()
             runtimes[name].figures["first_call_s"] = time.perf_counter() - start
             runtimes[name].figures |= output_errors(output, call.output)
+            runtimes[name].figures["rss_added_mib"] = rss_mib() - before + (recipe_rss if case == "eager" else 0)
+            if case in ("eager", "compile"):  # both are made from the recipe
+                runtimes[name].figures["prepare_s"] += recipe_s
         say(f"{rounds} rounds of {', '.join(runtimes)}" + (f", {busy} busy processes beside" if busy else ""))
         with _spinning(busy):
             times = _rounds(runtimes, rounds)
             own_us = {name: r.measure_own_s() * 1e6 for name, r in runtimes.items() if r.measure_own_s}
+    say(f"the machine's peak in {target.dtype}")
+    peak = machine_peak(getattr(torch, target.dtype))
     base = "aot" if "aot" in times else next(iter(times))
     for case, seconds in times.items():
         ratios = [s / a for s, a in zip(seconds, times[base], strict=True)]
+        gflop_s = flop / statistics.median(seconds) / 1e9
         runtimes[case].figures |= {"call_s": statistics.median(seconds), "values": seconds,
-                                   "ratio_to_aot": statistics.median(ratios), "ratio_quartiles": _quartiles(ratios)}
+                                   "ratio_to_aot": statistics.median(ratios), "ratio_quartiles": _quartiles(ratios),
+                                   "gflop_s": gflop_s, "of_peak": gflop_s / max(peak.values())}
         if case in own_us:
             runtimes[case].figures["stand_in_us"] = own_us[case]
     meta = {"target": target.name, "component": component, "shape": str(target.shapes[0]), "rounds": rounds,
             "busy": busy, "against": list(others), "cpus": len(os.sched_getaffinity(0)),
             "torch_threads": torch.get_num_threads(),
-            "openmp_wait": spin_setting(),
-            "ratio_base": base, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "openmp_wait": spin_setting(), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "gflop": flop / 1e9, "peak_gflop_s": peak, "ratio_base": base,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if "aot" in runtimes and "stand_in_us" in runtimes["aot"].figures:
         meta["stand_in_us"] = runtimes["aot"].figures["stand_in_us"]
     document = {"meta": meta, "environment": environment(target.device), "figures": COMPONENT_FIGURES,
@@ -187,9 +220,9 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     return document
 
 
-def reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
-    """The component's float32 module (unoptimized, as the build's reference) and the call the
-    float32 pipeline makes to it at the first bucket, with its output."""
+def reference_call(target: Any, spec: Any) -> tuple[Any, torch.nn.Module, Any]:
+    """The float32 pipeline, its component's module (unoptimized, as the build's reference) and the
+    call the pipeline makes to it at the first bucket, with its output."""
     from . import capture
     from .builder.capturing import load_source_pipeline
     from .pipelines import UNGUIDED, pipeline_spec
@@ -208,13 +241,48 @@ def reference_call(target: Any, spec: Any) -> tuple[torch.nn.Module, Any]:
     module = spec.export_module(getattr(pipe, spec.attribute)).eval()
     if spec.denoiser:
         call = capture.float_timestep(call, module)
-    return module, call
+    return pipe, module, call
 
 
-def _prepare(case: str, target: Any, spec: Any, folder: Path, reference: torch.nn.Module, call: Any,
-             ready: dict[str, _Runtime], converted: dict[Callable, tuple[Path, float]], work: Path) -> _Runtime:
-    """The case ready to call (`ready`: the cases prepared before it; `converted`: the peers' saved
-    conversions so far, by converter, with the seconds each took)."""
+def call_flop(module: torch.nn.Module, call: Any) -> float:
+    """The floating-point operations of `module(*call.args, **call.kwargs)`, counted by torch's
+    FlopCounterMode (matmuls, convolutions, attention) on fake tensors: no compute, no memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+        args, kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (call.args, call.kwargs))
+        with FlopCounterMode(display=False) as counter:
+            module(*args, **kwargs)
+    return float(counter.get_total_flops())
+
+
+def machine_peak(dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
+    """GFLOP/s of this process's threads on the two kernels a denoiser's work is mostly made of: a
+    4096^3 GEMM and a 3x3 convolution of 640 channels at 64x64 (channels_last), each its best of
+    `repeats` after a warm-up (oneDNN's kernels, the ceiling a compiled model can reach)."""
+    a, b = torch.randn(4096, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
+    image = torch.randn(1, 640, 64, 64, dtype=dtype).to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(640, 640, 3, padding=1, bias=False).to(dtype).to(memory_format=torch.channels_last)
+    kernels = {"linear": (lambda: a @ b, 2 * 4096**3), "conv3x3": (lambda: conv(image), 2 * 640 * 640 * 9 * 64 * 64)}
+    peak = {}
+    with torch.no_grad():
+        for name, (run, flop) in kernels.items():
+            run()
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - start)
+            peak[name] = flop / best / 1e9
+    return peak
+
+
+def _prepare(case: str, target: Any, spec: Any, folder: Path, call: Any, recipe: tuple | None,
+             ready: dict[str, _Runtime], converted: dict[Callable, tuple[Path, float]]) -> _Runtime:
+    """The case ready to call (`recipe`: eager's module and the call as it takes it; `ready`: the
+    cases prepared before it; `converted`: the peers' saved conversions, by converter, with the
+    seconds each took)."""
     start = time.perf_counter()
     if case == "aot":
         stand_in, entry = _stand_in(folder, spec.name)
@@ -234,24 +302,17 @@ def _prepare(case: str, target: Any, spec: Any, folder: Path, reference: torch.n
         variant = next(v for v in stand_in.variants if v.name == stand_in.last_variant)
         return _Runtime(variant.bare_call(variant.flatten(args, kwargs)), {"variant": variant.name})
     if case in ("eager", "compile"):
-        module, args, kwargs = _recipe(target, spec, reference, call)
+        module, args, kwargs = recipe
         if case == "compile":
             from .backends import compile_options
 
             module = torch.compile(module, options=compile_options(target))
         return _Runtime(lambda: module(*args, **kwargs), {"prepare_s": time.perf_counter() - start})
-    peer = PEERS[case]
-    if peer.convert not in converted:  # OpenVINO at two precisions: one conversion, loaded twice
-        saved = work / case
-        saved.mkdir()
-        peer.convert(tensor_program(reference, call.args, call.kwargs), saved)
-        converted[peer.convert] = (saved, time.perf_counter() - start)
-    saved, convert_s = converted[peer.convert]
-    loading = time.perf_counter()
-    runner, chose = peer.load(saved)
+    saved, convert_s = converted[PEERS[case].convert]  # OpenVINO at two precisions: one conversion, loaded twice
+    runner, chose = PEERS[case].load(saved)
     tensors = call_tensors(call.args, call.kwargs)
     return _Runtime(lambda: runner(tensors), {
-        "convert_s": convert_s, "prepare_s": time.perf_counter() - loading, "about": peer.about,
+        "convert_s": convert_s, "prepare_s": time.perf_counter() - start, "about": PEERS[case].about,
         "disk_mib": sum(p.stat().st_size for p in saved.iterdir()) / 2**20, **chose})
 
 
@@ -267,15 +328,20 @@ def _stand_in(folder: Path, component: str) -> tuple[Any, dict[str, Any]]:
     return stand_in, manifest["components"][component]
 
 
-def _recipe(target: Any, spec: Any, reference: torch.nn.Module, call: Any) -> tuple[torch.nn.Module, tuple, dict]:
-    """The target's recipe, uncompiled, and the call as it takes it: float32 without passes is the
+def _recipe(target: Any, spec: Any, pipe: Any, reference: torch.nn.Module,
+            call: Any) -> tuple[torch.nn.Module, tuple, dict]:
+    """The target's recipe, uncompiled, made from the float32 pipeline in place (its dtype and
+    passes, as the build applies them), and the call as it takes it: float32 without passes is the
     reference module itself."""
     if target.dtype == "float32" and not target.optimize:
         return reference, call.args, call.kwargs
     from . import optimize
-    from .backends import prepare
+    from .builder import check_device
+    from .builder.capturing import optimize_pipeline
 
-    module = spec.export_module(getattr(prepare(target, "eager", Path()), spec.attribute)).eval()
+    check_device(target)
+    optimize_pipeline(pipe, [spec], target)
+    module = spec.export_module(getattr(pipe, spec.attribute)).eval()
     args, kwargs = optimize.adapt_example_inputs(target.optimize, _in_dtype(call, getattr(torch, target.dtype)))
     return module, args, kwargs
 
@@ -338,13 +404,19 @@ def format_component_table(document: dict[str, Any]) -> str:
              f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside, OpenMP threads wait: "
              f"{meta.get('openmp_wait', 'not recorded')}",
              f"{'runtime':<{name}}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'middle half':>13}{'rel.err':>10}"
-             f"{'prepare s':>11}{'convert s':>11}{'disk MiB':>10}  chose"]
+             f"{'GFLOP/s':>9}{'of peak':>9}{'prepare s':>11}{'convert s':>11}{'disk MiB':>10}{'RSS+ MiB':>10}  chose"]
     for case, f in document["runtimes"].items():
         chose = ", ".join(f"{k} {f[k]}" for k in ("precision", "threads", "variant") if k in f)
         spread = "-".join(f"{q:.2f}" for q in f["ratio_quartiles"])
         lines.append(f"{case:<{name}}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
-                     f"{spread:>13}{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('prepare_s'), 11, '.2f')}"
-                     f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}  {chose}")
+                     f"{spread:>13}{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('gflop_s'), 9, '.0f')}"
+                     f"{cell(f.get('of_peak'), 9, '.2f')}{cell(f.get('prepare_s'), 11, '.2f')}"
+                     f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}"
+                     f"{cell(f.get('rss_added_mib'), 10, '.0f')}  {chose}")
+    if "gflop" in meta:
+        lines.append(f"the call: {meta['gflop']:.1f} GFLOP; this machine's peak in the target's dtype: "
+                     + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in meta["peak_gflop_s"].items())
+                     + f"; peak RSS {meta['peak_rss_mib'] / 1024:.1f} GiB")
     lines += [f"{case}: the stand-in's own cost per call (the model's run taken out): "
               f"{f['stand_in_us']:.0f} us" for case, f in document["runtimes"].items() if "stand_in_us" in f]
     lines += [f"{case}: skipped, {reason}" for case, reason in document["skipped"].items()]

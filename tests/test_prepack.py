@@ -322,3 +322,25 @@ def test_the_component_bench_pairs_the_prepacked_build_with_the_plain_one(built_
     for figures in document["runtimes"].values():
         assert figures["max_rel_error"] < 1e-4 and len(figures["values"]) == 3 and figures["ratio_to_aot"] > 0
     assert "aot:cpu-tiny-sdxl" in result.output
+
+
+@pytest.mark.slow
+def test_the_component_bench_makes_the_eager_recipe_from_the_float32_reference(built_bf16_prepack, tmp_path):
+    """`bench --component unet --cases aot,eager` of the bf16 recipe: eager is the reference made
+    bf16, packed and channels_last in place (at real size a second pipeline does not fit), so its
+    error is bf16's, as aot's is; what each runtime added to the process's memory is recorded."""
+    import shutil
+
+    shutil.copytree(built_bf16_prepack.folder, tmp_path / built_bf16_prepack.folder.name)
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl-bf16-prepack.toml"),
+                                       "--artifacts", str(tmp_path), "--component", "unet", "--rounds", "2",
+                                       "--cases", "aot,eager"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    document = json.loads((tmp_path / built_bf16_prepack.folder.name / "bench-unet.json").read_text())
+    runtimes = document["runtimes"]
+    assert list(runtimes) == ["aot", "eager"]
+    for figures in runtimes.values():
+        assert 1e-4 < figures["max_rel_error"] < 5e-2  # bf16's rounding, not float32's
+        assert isinstance(figures["rss_added_mib"], float) and figures["prepare_s"] > 0
+    assert runtimes["aot"]["rss_added_mib"] > 0
+    assert document["meta"]["peak_rss_mib"] > runtimes["aot"]["rss_added_mib"]
