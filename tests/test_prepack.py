@@ -344,3 +344,41 @@ def test_the_component_bench_makes_the_eager_recipe_from_the_float32_reference(b
         assert isinstance(figures["rss_added_mib"], float) and figures["prepare_s"] > 0
     assert runtimes["aot"]["rss_added_mib"] > 0
     assert document["meta"]["peak_rss_mib"] > runtimes["aot"]["rss_added_mib"]
+
+
+def _mapped(path: Path) -> dict[str, int]:
+    """This process's mappings of `path` (matched by inode, /proc/self/smaps): address range -> bytes resident."""
+    inode, found, current = path.stat().st_ino, {}, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):
+            current = fields[0] if len(fields) >= 6 and fields[4] == str(inode) else None
+        elif current and fields[0] == "Rss:":
+            found[current] = int(fields[1]) * 1024
+    return found
+
+
+@pytest.mark.slow
+def test_weights_read_only_to_be_packed_leave_memory_after_load(built_bf16_prepack):
+    """The packed recipe's weights are read once at load, to pack them: their pages leave this
+    process's memory then (the file's mapping keeps only what the code reads by pointer), and come
+    back from the file when read again: a LoRA merged from them, a write in place."""
+    path = built_bf16_prepack.folder / "unet.safetensors"
+    before = _mapped(path)
+    compiled = aotbuild.load_pipeline(built_bf16_prepack.folder)
+    base = generate(compiled, BUCKET)  # the code has read every weight it binds by pointer
+    (mapping, resident), = ((k, v) for k, v in _mapped(path).items() if k not in before)
+    reads = [v.weight_reads() for v in compiled.unet.variants]
+    once = set().union(*(c for c, _ in reads)) - set().union(*(r for _, r in reads))
+    once_bytes = sum(compiled.unet.weights[fqn].nbytes for fqn in once)
+    assert once_bytes > 0.8 * path.stat().st_size  # the convolutions' and linears' weights: most of them
+    # Each of those keeps at most the two pages it shares with its neighbours.
+    assert resident <= path.stat().st_size - once_bytes + 2 * 4096 * len(once)
+    parameters = dict(compiled.unet.named_parameters())
+    largest = parameters[max(once & set(parameters), key=lambda fqn: parameters[fqn].nbytes)]
+    with torch.no_grad():  # read again from the file, and written: the packed copy follows
+        largest.mul_(-1.0)
+    assert np.abs(generate(compiled, BUCKET) - base).max() > 0.05
+    with torch.no_grad():
+        largest.mul_(-1.0)
+    np.testing.assert_array_equal(generate(compiled, BUCKET), base)

@@ -45,7 +45,7 @@ from .guards import install_pipeline_guards
 from .lora import lora_component_class
 from .regional import RegionalComponent, component_variants
 from .variant import LoadContext
-from .weights import dtype_name, load_weights
+from .weights import dtype_name, load_weights, release_pages
 
 # Threads inside `quiet_libraries()`, with their nesting depth: their log records below ERROR are dropped.
 _QUIET_THREADS: dict[int, int] = {}
@@ -211,6 +211,10 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
             package = folder / entry["package"]  # extracted only from bytes of the checked hash
             sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
             variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
+            if source is None and regional is None:  # weights only packed: read once, now out of memory
+                reads = [v.weight_reads() for v in variants]
+                once = set().union(*(copied for copied, _ in reads)) - set().union(*(code for _, code in reads))
+                release_pages(stored, [tensors[fqn] for fqn in once])
             base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
             cls = lora_component_class(base) if spec.component(name).denoiser else base
             described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,

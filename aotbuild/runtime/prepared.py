@@ -109,7 +109,9 @@ class PreparedConstants:
         """The weights `refresh` checks: those read by a constant that is not a view of them."""
         copies = [name for name, tensor in self.tensors.items()
                   if not _views_its_weights(tensor, [self._sources[fqn] for fqn in self._reads[name]])]
-        self._order = sorted(set().union(*(self._reads[name] for name in copies)))
+        self.copied = set().union(*(self._reads[name] for name in copies))  # the weights of copies, and of views
+        self.viewed = set().union(*(self._reads[name] for name in self.tensors if name not in copies))
+        self._order = sorted(self.copied)
         self._sources_in_order = [self._sources[fqn] for fqn in self._order]
         self._versions = self._read_versions()
 

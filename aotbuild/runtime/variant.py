@@ -196,6 +196,14 @@ class CompiledVariant:
         self._run = self._model.boxed_run  # takes the list of inputs it is given
         self._init_calls(*self._model.get_call_spec())
 
+    def weight_reads(self) -> tuple[set[str], set[str]]:
+        """The weights (FQNs) read to make this model's prepared constants as copies of them
+        (oneDNN-packed), and those its code reads (bound by pointer, or through a prepared view)."""
+        if self._prepared is None:
+            return set(), set(self.constant_fqns)
+        code = {fqn for fqn in self.constant_fqns if fqn not in self._prepared.tensors} | self._prepared.viewed
+        return self._prepared.copied, code
+
     def _init_signature(self, entry: dict[str, Any], context: LoadContext) -> None:
         """The variant's name, manifest entry, inputs and load context."""
         self.name = entry["name"]

@@ -3,7 +3,10 @@ them with, and checked before they are bound by pointer (AOTInductor checks no s
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,51 @@ def load_weights(path: Path, device: torch.device, layouts: dict[str, dict],
             raise CorruptArtifactError(f"{path}: constant {fqn!r} cannot be laid out as the manifest records "
                                        f"({exc})") from None
     return tensors
+
+
+def release_pages(path: Path, tensors: Iterable[torch.Tensor]) -> int:
+    """Take these weights' pages out of this process's memory: tensors of `path` as `load_weights`
+    mapped it, that nothing has written to since, read once at load to make the constants the
+    compiled code reads instead (oneDNN-packed weights, `optimize.prepack`). A packed SDXL UNet
+    otherwise keeps both forms resident, 2x its weights. The pages stay in the page cache, and a
+    later read (a LoRA merged from the base weights, a constant made again) maps them back from the
+    file; a page written since the mapping would lose the write, hence at load only. Pages a tensor
+    shares with its neighbours stay. Returns the bytes taken out (0 where the file is not mapped
+    privately, or off Linux)."""
+    ranges = _private_mappings(path)
+    if not ranges or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, released = mmap.PAGESIZE, 0
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.element_size() * (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(),
+                                                                                   strict=True) if n > 0))
+        first, last = -(-start // page) * page, end // page * page
+        if last > first and any(low <= first and last <= high for low, high in ranges) \
+                and madvise(first, last - first, mmap.MADV_DONTNEED) == 0:
+            released += last - first
+    return released
+
+
+def _private_mappings(path: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `path` privately (copy on write), from
+    /proc/self/maps, matched by device and inode."""
+    try:
+        info = os.stat(path)
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return []
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) >= 5 and fields[1].endswith("p") and fields[3] == device and fields[4] == str(info.st_ino):
+            low, high = fields[0].split("-")
+            ranges.append((int(low, 16), int(high, 16)))
+    return ranges
 
 
 def bindable(weights: dict[str, torch.Tensor], fqn: str, layouts: dict[str, dict], package: Path) -> torch.Tensor:
