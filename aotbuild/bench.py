@@ -282,15 +282,21 @@ def write_document(path: Path, document: dict[str, Any]) -> None:
     partial.replace(path)
 
 
-def plot(document: dict[str, Any], path: Path) -> None:
-    """Bar chart of first-image (cold) and steady image latency per case."""
+def pyplot() -> Any:
+    """matplotlib.pyplot, drawing to files (no display)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise AotbuildError("--plot needs matplotlib", hint="pip install matplotlib") from None
+        raise AotbuildError("--plot needs matplotlib", hint="pip install 'aotbuild[plot]'") from None
+    return plt
+
+
+def plot(document: dict[str, Any], path: Path) -> None:
+    """Bar chart of first-image (cold) and steady image latency per case."""
+    plt = pyplot()
     cases = list(document["summary"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, figure, title in ((axes[0], "first_image_s", "cold: process start to first image (s)"),

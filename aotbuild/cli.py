@@ -419,6 +419,10 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
 @click.option("--against", multiple=True, metavar="TARGET",
               help="with --component: another target of the same pipeline (another recipe of the component), "
                    "timed as case aot:TARGET beside aot; repeatable")
+@click.option("--growth", metavar="TARGET,...", help="with --component: instead of timing, how cost grows from "
+              "--target through these larger targets (comma-separated), read from their artifacts (their manifests and "
+              "bench-<component>.json): the call's time against its work, the build's time and memory against its "
+              "parameters; writes growth-<component>.json under --artifacts (--plot draws it)")
 @click.option("--busy", type=click.IntRange(0), default=0, show_default=True,
               help="with --component: processes spinning on the CPU beside the timed rounds (replicas sharing cores)")
 @click.option("--cache-threshold", type=click.FloatRange(0, min_open=True), default=CACHE_THRESHOLD, show_default=True,
@@ -429,7 +433,7 @@ def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, 
               help=ARTIFACTS_HELP)
 def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | None, quick: bool, serve_bench: bool,
           load: str | None, loras: tuple[str, ...], max_batch: int, port: int, component: str | None, rounds: int,
-          against: tuple[str, ...], busy: int, cache_threshold: float, plot_path: Path | None,
+          against: tuple[str, ...], growth: str | None, busy: int, cache_threshold: float, plot_path: Path | None,
           artifacts: Path) -> None:
     """Cold start, steady state and memory of each backend, side by side; writes bench.json after
     each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
@@ -440,6 +444,19 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
 
     given = {name for name in ("repeats", "steps", "steady", "cases", "rounds", "cache_threshold", "max_batch")
              if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    if growth is not None:
+        from .growth import format_growth_table, growth_name, measure_growth, plot_growth
+
+        if component is None or given or serve_bench or load or loras or busy or against:
+            raise AotbuildError("--growth reads what was measured: it takes --target, --component, --plot and "
+                                "--artifacts")
+        document = measure_growth([target_name, *(_listed(growth) or ())], artifacts, component)
+        click.echo(format_growth_table(document))
+        click.echo(f"wrote {artifacts / growth_name(component)}")
+        if plot_path:
+            plot_growth(document, plot_path)
+            click.echo(f"wrote {plot_path}")
+        return
     if (loras or "max_batch" in given) and load is None:
         raise AotbuildError("--lora and --max-batch go with --load")
     if load is not None:

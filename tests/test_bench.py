@@ -15,7 +15,7 @@ from aotbuild.cli import main
 from aotbuild.runtime import extracted_package
 from aotbuild.targets import load_target
 
-from .conftest import TARGETS, build_once
+from .conftest import TARGETS, build_once, eager_pipeline
 
 RECORDED = {  # two repetitions; aot's figures drift upward on the second, so must the ratios' inputs
     "eager": [{"first_step_s": 4.0, "steady_step_s": 0.030}, {"first_step_s": 4.4, "steady_step_s": 0.033}],
@@ -264,3 +264,54 @@ def test_component_bench_refuses_what_it_cannot_time(tmp_path):
     assert result.exit_code == 1 and "--against compares other builds with case aot" in result.output
     missing = Peer("nothing", "aotbuild_no_such_runtime", None, None, "").missing()
     assert missing == "aotbuild_no_such_runtime is not installed (pip install 'aotbuild[peers]')"
+
+
+@pytest.mark.slow
+def test_growth_reads_the_builds_and_calls_of_several_targets(built, built_bf16_prepack, bf16_prepack_target,
+                                                              tmp_path):
+    """`bench --growth`: each build's time, compile time, peak RSS and parameters from its manifest,
+    each runtime's call from its `bench --component` document, seconds per GFLOP against the
+    first target's; the plot drawn; what it cannot compare refused."""
+    artifacts = tmp_path / "artifacts"
+    names = ["cpu-tiny-sdxl", "cpu-tiny-sdxl-bf16-prepack"]
+    for made in (built, built_bf16_prepack):
+        shutil.copytree(made.folder, artifacts / made.folder.name)
+    for name in names:
+        timed = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / f"{name}.toml"), "--artifacts",
+                                          str(artifacts), "--component", "unet", "--rounds", "1", "--cases",
+                                          "aot,eager"], catch_exceptions=False)
+        assert timed.exit_code == 0, timed.output
+
+    def growth(*extra):
+        return CliRunner().invoke(main, ["bench", "--target", str(TARGETS / f"{names[0]}.toml"), "--artifacts",
+                                         str(artifacts), "--component", "unet", *extra])
+
+    result = growth("--growth", str(TARGETS / f"{names[1]}.toml"), "--plot", str(tmp_path / "growth.png"))
+    assert result.exit_code == 0, result.output
+    document = json.loads((artifacts / "growth-unet.json").read_text())
+    builds, calls = document["builds"], document["calls"]
+    assert [b["target"] for b in builds] == [c["target"] for c in calls] == names
+    for row, made in zip(builds, (built, built_bf16_prepack), strict=True):
+        assert row["build_s"] == pytest.approx(sum(made.manifest["timings"].values()))
+        assert row["compile_s"] == made.manifest["components"]["unet"]["compile_s"] > 0
+        assert row["peak_rss_mib"] == max(made.manifest["peak_rss_mib"].values())
+    # the bf16 recipe compiles the UNet alone (its q, k and v fused): the eager UNet's parameters
+    assert builds[1]["parameters"] == sum(p.numel() for p in eager_pipeline(bf16_prepack_target).unet.parameters())
+    assert builds[0]["build_s_per_parameter_vs_first"] == 1
+    for row in calls:
+        bench = json.loads((artifacts / row["target"] / "bench-unet.json").read_text())
+        assert row["gflop"] == bench["meta"]["gflop"] > 0
+        assert row["call_s"] == {case: figures["call_s"] for case, figures in bench["runtimes"].items()}
+    assert calls[0]["s_per_gflop_vs_first"] == {"aot": 1, "eager": 1}
+    per_gflop = [row["call_s"]["aot"] / row["gflop"] for row in calls]
+    assert calls[1]["s_per_gflop_vs_first"]["aot"] == pytest.approx(per_gflop[1] / per_gflop[0])
+    assert "s/param x first" in result.output and (tmp_path / "growth.png").stat().st_size > 10_000
+
+    result = growth("--growth", "")
+    assert result.exit_code == 1 and "--growth compares two targets or more" in result.output
+    result = growth("--growth", str(TARGETS / f"{names[1]}.toml"), "--rounds", "3")
+    assert result.exit_code == 1 and "--growth reads what was measured" in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / f"{names[0]}.toml"), "--artifacts",
+                                       str(artifacts), "--component", "vae_decoder", "--growth",
+                                       str(TARGETS / f"{names[1]}.toml")])
+    assert result.exit_code == 1 and "cpu-tiny-sdxl-bf16-prepack compiles unet; not 'vae_decoder'" in result.output

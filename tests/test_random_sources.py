@@ -35,7 +35,9 @@ def test_full_size_architectures(config_set, component, params):
 # parameter counts (SDXL's and SD 1.5's UNet and VAE as published to the parameter; SD3.5 Medium's
 # 2.24B parameters hold 0.23B more values in its position-embedding buffer: 2.47B in the checkpoint).
 REAL_SIZE = {
+    "cpu-sdxl-256": {"unet": 2_567_463_684, "vae": 83_653_863},  # 256 and 768: the UNet's growth, UNet alone
     "cpu-sdxl-512": {"unet": 2_567_463_684, "vae": 83_653_863},
+    "cpu-sdxl-768": {"unet": 2_567_463_684, "vae": 83_653_863},
     "cpu-sdxl-1024": {"unet": 2_567_463_684, "vae": 83_653_863},
     "cpu-sd15": {"unet": 859_520_964, "vae": 83_653_863},
     "cpu-sd15-bf16": {"unet": 859_520_964, "vae": 83_653_863},

@@ -5,6 +5,7 @@ its weights, the component's manifest entry."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -278,17 +279,18 @@ def _empty_like(tensor: torch.Tensor, size: list[int]) -> torch.Tensor:
 
 
 def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProgram],
-                what: str) -> tuple[dict[str, list], dict[str, dict[str, Any]]]:
-    """Each program compiled: its files, and the recipes of the constants it folded (prepack)."""
-    compiled, folded = {}, {}
+                what: str) -> tuple[dict[str, list], dict[str, dict[str, Any]], float]:
+    """Each program compiled: its files, the recipes of the constants it folded (prepack), and
+    the seconds the compiles took."""
+    compiled, folded, start = {}, {}, time.perf_counter()
     for i, (name, program) in enumerate(programs.items(), 1):
         with ctx.stages("compile", f"{what} {name} ({i}/{len(programs)}, AOTInductor)"):
             compiled[name], folded[name] = export.compile_variant(program, ctx.inductor_options)
-    return compiled, folded
+    return compiled, folded, time.perf_counter() - start
 
 
 def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, compiled: dict[str, list],
-                      constants: dict[str, torch.Tensor], layouts: dict[str, dict],
+                      compile_s: float, constants: dict[str, torch.Tensor], layouts: dict[str, dict],
                       variants: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "attribute": spec.attribute, "method": spec.method,
@@ -303,6 +305,7 @@ def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, c
                        if plain_attribute(value := _get_dotted(module, a, None))},
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},
+        "compile_s": round(compile_s, 1),  # AOTInductor, every variant: how the build's cost grows with the model
         "variants": variants,
     }
 
@@ -319,7 +322,7 @@ def build_component(ctx: BuildContext, spec: ComponentSpec, module: torch.nn.Mod
         programs[plan.name] = export_checked(ctx, exported, spec.name, plan, call, leaf_dims, call_batch, variants[-1],
                                              {p: ctx.reference[p][spec.name] for p in plan.points})
     export.name_constants_apart(programs)
-    compiled, folded = compile_all(ctx, programs, spec.name)
+    compiled, folded, compile_s = compile_all(ctx, programs, spec.name)
     kept = {fqn: tensor for fqn, tensor in module_tensors(exported).items() if fqn.split(".")[0] in KEPT_MODULES}
     with ctx.stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = write_package(ctx.out, spec.name, compiled, programs, torch.device(ctx.target.device),
@@ -327,7 +330,7 @@ def build_component(ctx: BuildContext, spec: ComponentSpec, module: torch.nn.Mod
     for variant in variants:
         if folded[variant["name"]]:
             variant["prepared"] = folded[variant["name"]]
-    record = component_record(spec, module, dtype, compiled, constants, layouts, variants)
+    record = component_record(spec, module, dtype, compiled, compile_s, constants, layouts, variants)
     if unread := export.unread_weights(list(programs.values()), constants):
         record["unread"] = unread
     return record

@@ -56,13 +56,13 @@ def build_regional(ctx: BuildContext, spec: ComponentSpec, module: torch.nn.Modu
             entries.append(entry)
         region_entries.append({"name": region.name, "class": region.block_class, "instances": list(region.instances),
                                "variants": entries})
-    compiled, _ = compile_all(ctx, programs, spec.name)  # no freezing: prepack is refused for regional
+    compiled, _, compile_s = compile_all(ctx, programs, spec.name)  # no freezing: prepack is refused for regional
     with ctx.stages("package", f"{spec.name}.pt2 + {spec.name}.safetensors"):
         constants, layouts = write_package(ctx.out, spec.name, compiled, programs, torch.device(ctx.target.device),
                                            regional=(module, found, instances, region_entries))
     in_blocks = sum(t.numel() for fqn in instances for t in instances[fqn].parameters())
     total = sum(t.numel() for t in module.parameters())
-    record = component_record(spec, module, dtype, compiled, constants, layouts, variants)
+    record = component_record(spec, module, dtype, compiled, compile_s, constants, layouts, variants)
     record.update(mode="regional", regions=region_entries, eager={
         "parameters": total - in_blocks, "share": round((total - in_blocks) / max(total, 1), 4),
         "reason": "the code between blocks (embeddings, norms, convolutions, the final projection) runs as "

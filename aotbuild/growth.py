@@ -1,0 +1,157 @@
+"""`aotbuild bench --growth T1,T2,... --component NAME`: how cost grows as the work grows, read
+from artifacts already built (and benched with `bench --component`), in one document and plot.
+
+- The component's call: each runtime's seconds against the call's floating-point work (GFLOP,
+  counted by `bench --component`), e.g. SDXL's UNet at 256 to 1024 px. Seconds per GFLOP against
+  the first target's: above 1, the call grows faster than its work (attention's share at long
+  sequences, memory traffic, a layout), a finding to explain.
+- The build: wall time, the component's AOTInductor compile time and the build's peak RSS against
+  the parameters compiled (tiny -> mid -> full). Seconds per parameter and peak RSS per weight
+  byte, against the first target's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import AotbuildError
+
+GROWTH_FIGURES = {
+    "parameters": "the compiled components' parameters (their stored constants' bytes / their dtype's size)",
+    "weights_mib": "bytes of the compiled components' weights, as stored",
+    "build_s": "the build's wall time, every stage (the manifest's timings)",
+    "compile_s": "AOTInductor's time for the component, every variant (manifest components.<name>.compile_s)",
+    "peak_rss_mib": "the build's peak RSS, its highest stage",
+    "gflop": "the component's call at the target's first bucket: floating-point work (bench --component)",
+    "call_s": "each runtime's call, the median over its rounds (bench --component)",
+    "s_per_gflop_vs_first": "call_s / gflop, against the first target's: above 1 grows faster than the work",
+    "build_s_per_parameter_vs_first": "build_s / parameters, against the first target's",
+    "rss_per_weight_byte_vs_first": "peak_rss_mib / weights_mib, against the first target's",
+}
+ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+
+
+def growth_name(component: str) -> str:
+    return f"growth-{component}.json"
+
+
+def measure_growth(targets: list[str], artifacts_dir: Path, component: str) -> dict[str, Any]:
+    """The growth document of `component` over these targets' artifacts (written to
+    `artifacts_dir/growth-<component>.json`, and returned). A target whose artifact has no
+    `bench-<component>.json` has build figures only.
+
+    Raises:
+        AotbuildError: fewer than two targets, a target not built, or one that does not compile
+            the component.
+    """
+    from .backends import built_artifact
+    from .bench import write_document
+    from .component_bench import component_bench_name
+    from .manifest import read_manifest
+    from .targets import load_target
+
+    if len(targets) < 2:
+        raise AotbuildError("--growth compares two targets or more: give them comma-separated")
+    builds, calls = [], []
+    for name in targets:
+        target = load_target(name)
+        folder = built_artifact(target, artifacts_dir)
+        manifest = read_manifest(folder)
+        if component not in manifest["components"]:
+            raise AotbuildError(f"{target.name} compiles {', '.join(manifest['components'])}; not {component!r}")
+        entries = manifest["components"].values()
+        weights = sum(e["constants"]["bytes"] for e in entries)
+        builds.append({
+            "target": target.name, "dtype": target.dtype, "shape": str(target.shapes[0]),
+            "parameters": round(sum(e["constants"]["bytes"] / ITEM_BYTES.get(e["dtype"], 4) for e in entries)),
+            "weights_mib": weights / 2**20, "build_s": sum(manifest["timings"].values()),
+            "compile_s": manifest["components"][component].get("compile_s"),
+            "peak_rss_mib": max(manifest.get("peak_rss_mib", {}).values(), default=None)})
+        bench = folder / component_bench_name(component)
+        if bench.is_file():
+            document = json.loads(bench.read_text())
+            calls.append({"target": target.name, "shape": document["meta"]["shape"],
+                          "gflop": document["meta"].get("gflop"),
+                          "call_s": {case: f["call_s"] for case, f in document["runtimes"].items()},
+                          "gflop_s": {case: f.get("gflop_s") for case, f in document["runtimes"].items()}})
+    _against_first(builds, "build_s_per_parameter_vs_first", lambda b: b["build_s"] / b["parameters"])
+    if all(b["peak_rss_mib"] for b in builds):
+        _against_first(builds, "rss_per_weight_byte_vs_first", lambda b: b["peak_rss_mib"] / b["weights_mib"])
+    calls = [c for c in calls if c["gflop"]]  # a bench document from before FLOPs were counted
+    for case in sorted(set().union(*(c["call_s"] for c in calls)) if calls else ()):
+        series = [c for c in calls if case in c["call_s"]]
+        first = series[0]["call_s"][case] / series[0]["gflop"]
+        for c in series:
+            c.setdefault("s_per_gflop_vs_first", {})[case] = c["call_s"][case] / c["gflop"] / first
+    document = {"meta": {"component": component, "targets": list(targets)}, "figures": GROWTH_FIGURES,
+                "builds": builds, "calls": calls}
+    write_document(artifacts_dir / growth_name(component), document)
+    return document
+
+
+def _against_first(rows: list[dict[str, Any]], key: str, value: Any) -> None:
+    first = value(rows[0])
+    for row in rows:
+        row[key] = value(row) / first
+
+
+def format_growth_table(document: dict[str, Any]) -> str:
+    """The builds against their size, then the calls against their work."""
+    def cell(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    component = document["meta"]["component"]
+    lines = [f"builds against their size ({component}'s compile; x first: per parameter, per weight byte)",
+             f"{'target':<28}{'parameters':>14}{'weights GiB':>12}{'build s':>9}{'compile s':>10}"
+             f"{'peak RSS GiB':>13}{'s/param x first':>16}{'RSS/byte x first':>17}"]
+    for b in document["builds"]:
+        rss = b["peak_rss_mib"] and b["peak_rss_mib"] / 1024
+        lines.append(f"{b['target']:<28}{b['parameters']:>14,}{b['weights_mib'] / 1024:>12.2f}{b['build_s']:>9.0f}"
+                     f"{cell(b['compile_s'], '.0f'):>10}{cell(rss, '.1f'):>13}"
+                     f"{b['build_s_per_parameter_vs_first']:>16.2f}"
+                     f"{cell(b.get('rss_per_weight_byte_vs_first'), '.2f'):>17}")
+    if document["calls"]:
+        cases = sorted(set().union(*(c["call_s"] for c in document["calls"])))
+        lines += ["", f"{component}'s call against its work (seconds; x first: seconds per GFLOP against the first "
+                      "row)",
+                  f"{'target':<28}{'shape':>12}{'GFLOP':>9}"
+                  + "".join(f"{case + ' s':>16}{'x first':>9}" for case in cases)]
+        for c in document["calls"]:
+            lines.append(f"{c['target']:<28}{c['shape']:>12}{c['gflop']:>9.0f}" + "".join(
+                f"{cell(c['call_s'].get(case), '.2f'):>16}{cell(c['s_per_gflop_vs_first'].get(case), '.2f'):>9}"
+                for case in cases))
+    return "\n".join(lines)
+
+
+def plot_growth(document: dict[str, Any], path: Path) -> None:
+    """Two panels: each runtime's call time against the call's GFLOP (log-log, with the line of
+    time proportional to work through the first point), and the build's time and peak RSS against
+    the parameters compiled."""
+    from .bench import pyplot
+
+    plt = pyplot()
+    fig, (calls, builds) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for case in sorted(set().union(*(c["call_s"] for c in document["calls"]))) if document["calls"] else ():
+        series = [c for c in document["calls"] if case in c["call_s"]]
+        work, seconds = [c["gflop"] for c in series], [c["call_s"][case] for c in series]
+        line, = calls.loglog(work, seconds, "o-", label=case)
+        calls.loglog(work, [seconds[0] * w / work[0] for w in work], ":", color=line.get_color(), linewidth=1)
+    calls.set(xlabel="the call's work (GFLOP)", ylabel="call (s)",
+              title=f"{document['meta']['component']}'s call; dotted: proportional to the work")
+    if document["calls"]:
+        calls.legend()
+    parameters = [b["parameters"] for b in document["builds"]]
+    builds.semilogx(parameters, [b["build_s"] / 60 for b in document["builds"]], "o-", label="build (min)")
+    builds.semilogx(parameters, [(b["compile_s"] or 0) / 60 for b in document["builds"]], "s-",
+                    label=f"{document['meta']['component']} compile (min)")
+    memory = builds.twinx()
+    memory.semilogx(parameters, [(b["peak_rss_mib"] or 0) / 1024 for b in document["builds"]], "^--", color="#c66",
+                    label="peak RSS (GiB)")
+    builds.set(xlabel="parameters compiled", ylabel="minutes", title="builds")
+    memory.set_ylabel("peak RSS (GiB)")
+    builds.legend(loc="upper left")
+    memory.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
