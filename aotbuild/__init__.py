@@ -26,6 +26,12 @@ from .errors import (
     UntrustedCodeError,
     WeightsMismatchError,
 )
+from .openmp import spin_before_torch as _spin_before_torch
+
+# OpenMP's threads spin briefly in this process when it imports aotbuild before torch: libgomp
+# reads the setting once, as torch loads it, and a long spin costs processes sharing the cores up
+# to 1.5x (openmp.py). Nothing else is set at import.
+_spin_before_torch()
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,9 @@ processes beside for "shared"):
 | 10,000 | 16.2 ms | 38-46 ms | 1.33 s | 2.86 s |
 
 So 10,000. libgomp reads it once, when torch loads it: it is set in the environment before torch
-is imported, and never where the user set either variable.
+is imported, and never where the user set either variable: by the command line, in every process
+it starts, and by `import aotbuild` in a process of the user's that has not imported torch yet
+(after torch, only the environment the process started with can set it).
 
 How many threads: libgomp starts one per CPU of the process's affinity, which a container's CPU
 limit (a cgroup quota: `docker --cpus 2`, a Kubernetes CPU limit) does not narrow. On a node of 64
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 SPIN_COUNT = "GOMP_SPINCOUNT"
@@ -38,6 +41,13 @@ def spin_env() -> dict[str, str]:
     where there are any, else the short spin."""
     given = {name: os.environ[name] for name in (SPIN_COUNT, WAIT_POLICY) if name in os.environ}
     return given or {SPIN_COUNT: DEFAULT_SPIN_COUNT}
+
+
+def spin_before_torch() -> None:
+    """The short spin for this process, where torch (and with it libgomp) is not loaded yet and
+    the user set neither variable: what `import aotbuild` does."""
+    if "torch" not in sys.modules:
+        os.environ.update(spin_env())
 
 
 THREADS = "OMP_NUM_THREADS"

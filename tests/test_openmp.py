@@ -61,3 +61,18 @@ def test_a_quota_below_the_affinity_sets_the_thread_count_unless_the_user_did(tm
 def _own_environment(monkeypatch):
     """use_openmp_settings writes the environment: a copy of it here, the real one after."""
     monkeypatch.setattr(os, "environ", dict(os.environ))
+
+
+def test_import_aotbuild_before_torch_gives_the_process_the_short_spin_unless_the_user_set_one():
+    import subprocess
+    import sys
+
+    def spin(code: str, **given: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in (openmp.SPIN_COUNT, openmp.WAIT_POLICY)} | given
+        return subprocess.run([sys.executable, "-c", f"{code}; import os; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                              env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert spin("import aotbuild") == openmp.DEFAULT_SPIN_COUNT
+    assert spin("import torch; import aotbuild") == "None"  # libgomp has read it already: nothing to set
+    assert spin("import aotbuild", OMP_WAIT_POLICY="PASSIVE") == "None"
+    assert spin("import aotbuild", GOMP_SPINCOUNT="5") == "5"
