@@ -109,8 +109,8 @@ class PreparedConstants:
         """The weights `refresh` checks: those read by a constant that is not a view of them."""
         copies = [name for name, tensor in self.tensors.items()
                   if not _views_its_weights(tensor, [self._sources[fqn] for fqn in self._reads[name]])]
-        self.copied = set().union(*(self._reads[name] for name in copies))  # the weights of copies, and of views
-        self.viewed = set().union(*(self._reads[name] for name in self.tensors if name not in copies))
+        self.copied = set().union(*(self._reads[name] for name in copies))  # weights read by the copies
+        self.viewed = set().union(*(self._reads[name] for name in self.tensors if name not in copies))  # by views
         self._order = sorted(self.copied)
         self._sources_in_order = [self._sources[fqn] for fqn in self._order]
         self._versions = self._read_versions()
