@@ -382,3 +382,24 @@ def test_weights_read_only_to_be_packed_leave_memory_after_load(built_bf16_prepa
     with torch.no_grad():
         largest.mul_(-1.0)
     np.testing.assert_array_equal(generate(compiled, BUCKET), base)
+
+
+def test_a_frozen_compile_leaves_no_copy_of_the_weights_behind():
+    """Inductor keeps the last frozen graph alive after the compile (torch 2.13); the build drops
+    its constants, or a UNet-only SDXL build's validation held the weights and their packed copies
+    a second time (10 GiB)."""
+    import gc
+
+    from aotbuild import export
+    from aotbuild.optimize import inductor_flags
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Flatten(),
+                                 torch.nn.Linear(8 * 8 * 8, 16)).eval()
+    program = torch.export.export(module, (torch.randn(1, 4, 8, 8),))
+    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    assert recipes  # it froze, and packed
+    gc.collect()
+    held = [name for graph in gc.get_objects() if isinstance(graph, torch.fx.GraphModule)
+            for name in graph._buffers if name.startswith("_frozen_param")]
+    assert held == []
