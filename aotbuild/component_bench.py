@@ -36,7 +36,7 @@ import torch
 from .errors import AotbuildError
 from .openmp import spin_setting
 from .peers import PEERS, call_tensors, tensor_program
-from .private_apis import pytree
+from .private_apis import fake_tensor_mode, pytree
 
 COMPONENT_CASES = ("aot", "aot-model", "eager", "compile", *PEERS)
 DEFAULT_COMPONENT_CASES = tuple(case for case in COMPONENT_CASES if case != "compile")
@@ -247,10 +247,9 @@ def reference_call(target: Any, spec: Any) -> tuple[Any, torch.nn.Module, Any]:
 def call_flop(module: torch.nn.Module, call: Any) -> float:
     """The floating-point operations of `module(*call.args, **call.kwargs)`, counted by torch's
     FlopCounterMode (matmuls, convolutions, attention) on fake tensors: no compute, no memory."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, torch.no_grad():
+    with fake_tensor_mode() as fake, torch.no_grad():
         args, kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (call.args, call.kwargs))
         with FlopCounterMode(display=False) as counter:
             module(*args, **kwargs)

@@ -242,8 +242,9 @@ def package_aoti(path: Path, compiled: dict[str, list]) -> None:
 
 def fake_tensor_mode() -> Any:
     """torch._subclasses.fake_tensor.FakeTensorMode: runs an exported program on tensors with
-    shapes and no data, to check every call a variant serves at no compute cost. Without it: a
-    size export made static silently would only show as a wrong result at run time."""
+    shapes and no data, to check every call a variant serves, or count its FLOPs, at no compute
+    cost. Without it: a size export made static silently would only show as a wrong result at run
+    time."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
