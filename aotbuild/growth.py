@@ -128,7 +128,7 @@ def format_growth_table(document: dict[str, Any]) -> str:
 def plot_growth(document: dict[str, Any], path: Path) -> None:
     """Two panels: each runtime's call time against the call's GFLOP (log-log, with the line of
     time proportional to work through the first point), and the build's time and peak RSS against
-    the parameters compiled."""
+    the parameters compiled (per target where the targets are one model at several sizes)."""
     from .bench import pyplot
 
     plt = pyplot()
@@ -142,14 +142,28 @@ def plot_growth(document: dict[str, Any], path: Path) -> None:
               title=f"{document['meta']['component']}'s call; dotted: proportional to the work")
     if document["calls"]:
         calls.legend()
-    parameters = [b["parameters"] for b in document["builds"]]
-    builds.semilogx(parameters, [b["build_s"] / 60 for b in document["builds"]], "o-", label="build (min)")
-    builds.semilogx(parameters, [(b["compile_s"] or 0) / 60 for b in document["builds"]], "s-",
-                    label=f"{document['meta']['component']} compile (min)")
+    rows = document["builds"]
+    parameters = [b["parameters"] for b in rows]
+    by_size = max(parameters) > 1.5 * min(parameters)  # else one model at several sizes: by target
+    place = (lambda b: b["parameters"]) if by_size else (lambda b: rows.index(b))
+    scale = "log" if by_size else "linear"
+
+    def draw(axes: Any, key: str, per: float, style: str, label: str, **line: Any) -> None:
+        known = [b for b in rows if b[key] is not None]  # compile_s: not in manifests from before it was kept
+        axes.plot([place(b) for b in known], [b[key] / per for b in known], style, label=label, **line)
+        axes.set_xscale(scale)
+
+    draw(builds, "build_s", 60, "o-", "build (min)")
+    draw(builds, "compile_s", 60, "s-", f"{document['meta']['component']} compile (min)")
     memory = builds.twinx()
-    memory.semilogx(parameters, [(b["peak_rss_mib"] or 0) / 1024 for b in document["builds"]], "^--", color="#c66",
-                    label="peak RSS (GiB)")
-    builds.set(xlabel="parameters compiled", ylabel="minutes", title="builds")
+    draw(memory, "peak_rss_mib", 1024, "^--", "peak RSS (GiB)", color="#c66")
+    if by_size:
+        builds.set(xlabel="parameters compiled", ylabel="minutes", title="builds")
+    else:
+        builds.set_xticks(range(len(rows)), [f"{b['target']}\n{b['shape']}" for b in rows], fontsize=8)
+        builds.set(ylabel="minutes", title="builds")
+    builds.set_ylim(bottom=0)
+    memory.set_ylim(bottom=0)
     memory.set_ylabel("peak RSS (GiB)")
     builds.legend(loc="upper left")
     memory.legend(loc="lower right")
