@@ -127,20 +127,23 @@ def format_growth_table(document: dict[str, Any]) -> str:
 
 def plot_growth(document: dict[str, Any], path: Path) -> None:
     """Two panels: each runtime's call time against the call's GFLOP (log-log, with the line of
-    time proportional to work through the first point), and the build's time and peak RSS against
-    the parameters compiled (per target where the targets are one model at several sizes)."""
+    time proportional to work through the first point; where two targets or more were timed), and
+    the build's time and peak RSS against the parameters compiled (per target where the targets are
+    one model at several sizes)."""
     from .bench import pyplot
 
     plt = pyplot()
-    fig, (calls, builds) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for case in sorted(set().union(*(c["call_s"] for c in document["calls"]))) if document["calls"] else ():
+    timed = len(document["calls"]) > 1  # a call timed at one target alone has nothing to grow against
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 6.5, 4.5), squeeze=False)
+    calls, builds = axes[0] if timed else (None, axes[0][0])
+    for case in sorted(set().union(*(c["call_s"] for c in document["calls"]))) if timed else ():
         series = [c for c in document["calls"] if case in c["call_s"]]
         work, seconds = [c["gflop"] for c in series], [c["call_s"][case] for c in series]
         line, = calls.loglog(work, seconds, "o-", label=case)
         calls.loglog(work, [seconds[0] * w / work[0] for w in work], ":", color=line.get_color(), linewidth=1)
-    calls.set(xlabel="the call's work (GFLOP)", ylabel="call (s)",
-              title=f"{document['meta']['component']}'s call; dotted: proportional to the work")
-    if document["calls"]:
+    if timed:
+        calls.set(xlabel="the call's work (GFLOP)", ylabel="call (s)",
+                  title=f"{document['meta']['component']}'s call; dotted: proportional to the work")
         calls.legend()
     rows = document["builds"]
     parameters = [b["parameters"] for b in rows]
