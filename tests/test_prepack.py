@@ -385,9 +385,9 @@ def test_weights_read_only_to_be_packed_leave_memory_after_load(built_bf16_prepa
 
 
 def test_a_frozen_compile_leaves_no_copy_of_the_weights_behind():
-    """Inductor keeps the last frozen graph alive after the compile (torch 2.13); the build drops
-    its constants, or a UNet-only SDXL build's validation held the weights and their packed copies
-    a second time (10 GiB)."""
+    """Inductor keeps the last graph it lowered alive after the compile (torch 2.13); the build
+    drops its weights and frozen constants, or a UNet-only SDXL build's validation held the weights
+    and their packed copies a second time (10 GiB)."""
     import gc
 
     from aotbuild import export
@@ -400,6 +400,7 @@ def test_a_frozen_compile_leaves_no_copy_of_the_weights_behind():
     _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
     assert recipes  # it froze, and packed
     gc.collect()
-    held = [name for graph in gc.get_objects() if isinstance(graph, torch.fx.GraphModule)
-            for name in graph._buffers if name.startswith("_frozen_param")]
-    assert held == []
+    graphs = [o for o in gc.get_objects() if isinstance(o, torch.fx.GraphModule)]
+    assert [name for graph in graphs for name in graph._buffers if name.startswith("_frozen_param")] == []
+    weights = {p.data_ptr() for p in module.parameters()}
+    assert [name for graph in graphs for name, t in graph.state_dict().items() if t.data_ptr() in weights] == []
