@@ -121,8 +121,9 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
     a case `aot:<target>` of its own artifact's stand-in, paired with the rest.
 
     Raises:
-        AotbuildError: an unknown case or component, no artifact, aot-model without aot, or a
-            target to compare against that is another pipeline or lacks the component.
+        AotbuildError: an unknown case or component, a GPU target, no artifact, aot-model
+            without aot, or a target to compare against that is another pipeline or lacks the
+            component.
     """
     from .backends import built_artifact
     from .bench import rss_mib, write_document
@@ -142,6 +143,10 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         raise AotbuildError("--against compares other builds with case aot: add it to --cases")
     if component not in target.components:
         raise AotbuildError(f"{target.name} compiles {', '.join(target.components)}; not {component!r}")
+    if target.device != "cpu":  # the peers, the peak and the timing here are the CPU's
+        raise AotbuildError(f"--component times CPU runtimes; {target.name} is a {target.device} target",
+                            hint=f"aotbuild bench --target {target.name} times eager, torch.compile and aot on "
+                                 f"its device")
     compared = list(map(load_target, against))
     for other in compared:
         if other.pipeline != target.pipeline or component not in other.components or other.name == target.name:

@@ -247,6 +247,10 @@ def test_component_bench_refuses_what_it_cannot_time(tmp_path):
     result = bench("--component", "transformer")
     assert result.exit_code == 1 and "cpu-tiny-sdxl compiles unet, vae_decoder, vae_encoder; not 'transformer'" \
         in result.output
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "h200-sdxl-random.toml"),
+                                       "--component", "unet"])
+    assert result.exit_code == 1 and "--component times CPU runtimes; h200-sdxl-random is a cuda target" \
+        in result.output and "aotbuild bench --target h200-sdxl-random times eager" in result.output
     result = bench("--component", "unet", "--cases", "aot-model")
     assert result.exit_code == 1 and "case aot-model needs case aot" in result.output
     result = bench("--component", "unet", "--cases", "aot,tensorrt")
