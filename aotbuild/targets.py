@@ -3,6 +3,7 @@ then trusted; `Target.to_dict()` is the JSON form stored in the manifest and rou
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -178,8 +179,13 @@ def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None
         directory = targets_dir or default_targets_dir()
         path = directory / f"{text}.toml"
         if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in directory.glob("*.toml"))) or "none"
-            raise TargetError(f"no target named {text!r} in {directory}; known: {known}")
+            known = sorted(p.stem for p in directory.glob("*.toml"))
+            close = difflib.get_close_matches(text, known, n=1, cutoff=0.6)
+            where = f"{directory} ($AOTBUILD_TARGETS, else ./targets)"
+            raise TargetError(f"no target named {text!r} in {where}",
+                              hint=(f"did you mean {close[0]}? " if close else "")
+                              + (f"aotbuild targets lists the {len(known)} there; " if known else "")
+                              + "or give the path of a target's TOML file")
     if not path.is_file():
         raise TargetError(f"target file {path} does not exist")
     try:

@@ -99,8 +99,12 @@ def test_round_trip_through_dict(name):
 def test_lookup_by_name_lists_known(tmp_path):
     write_target(tmp_path, GOOD)
     assert load_target("t", targets_dir=tmp_path).name == "t"
-    with pytest.raises(TargetError, match=r"no target named 'nope'.*known: t"):
+    with pytest.raises(TargetError, match=r"no target named 'nope' in ") as refused:
         load_target("nope", targets_dir=tmp_path)
+    assert refused.value.hint == "aotbuild targets lists the 1 there; or give the path of a target's TOML file"
+    with pytest.raises(TargetError) as refused:
+        load_target("cpu-tiny-sdx")
+    assert refused.value.hint.startswith("did you mean cpu-tiny-sdxl? aotbuild targets lists the ")
 
 
 BAD = [
