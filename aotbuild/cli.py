@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import sys
 import time
 import warnings
@@ -42,13 +43,27 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI timeout, `timeout`, a container stop) taken as Ctrl-C: every cleanup that
+    runs on Ctrl-C runs (a build's staging folder and lock file removed), then exit 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         warnings.formatwarning = _warning_line
         if not ctx.params.get("debug"):
             _quiet_libraries()
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # not where the caller chose a handler
+            signal.signal(signal.SIGTERM, _terminate)
         try:
             return super().invoke(ctx)
+        except _Terminated:
+            click.echo("error: stopped by SIGTERM; nothing was left half-written", err=True)
+            ctx.exit(128 + signal.SIGTERM)
         except AotbuildError as exc:
             if ctx.params.get("debug"):
                 raise

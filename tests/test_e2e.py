@@ -290,6 +290,28 @@ def test_killed_build_leaves_previous_artifact(built, tmp_path):
     verify_files(artifacts / built.folder.name, manifest)
 
 
+def test_a_build_stopped_by_sigterm_leaves_nothing_behind(tmp_path):
+    """SIGTERM (a CI timeout, `timeout`, a container stop) is Ctrl-C: the staging folder and the
+    lock file go, the exit code says the signal."""
+    from aotbuild.builder.transaction import STAGING_DIRNAME
+
+    artifacts = tmp_path / "artifacts"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "aotbuild.cli", "build", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),
+         "--artifacts", str(artifacts)],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 300
+    for line in process.stderr:  # mid-build, after it has written into its staging folder
+        if "[  capture]" in line or time.monotonic() > deadline:
+            break
+    assert (artifacts / STAGING_DIRNAME).is_dir()
+    process.send_signal(signal.SIGTERM)
+    rest = process.stderr.read()
+    assert process.wait() == 143
+    assert "error: stopped by SIGTERM" in rest and "Traceback" not in rest
+    assert list(artifacts.iterdir()) == []
+
+
 def test_build_killed_between_renames_gets_its_previous_artifact_back(built, tmp_path):
     from aotbuild.builder.transaction import STAGING_DIRNAME, recover_stale_staging, target_lock
 
