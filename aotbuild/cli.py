@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from .bench import CACHE_THRESHOLD
-from .errors import AotbuildError
+from .errors import AotbuildError, ArgumentError
 
 ARTIFACTS_HELP = "folder holding one artifact folder per target (env AOTBUILD_ARTIFACTS)"
 
@@ -255,7 +255,10 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         _say_where((target_name,), artifacts)
         for name, value in (("--height", height), ("--width", width)):
             if value is not None and value % target.stride:
-                raise AotbuildError(f"{name} {value} is not a multiple of {target.stride}, this model's pixel stride")
+                below = value - value % target.stride
+                nearest = " or ".join(str(v) for v in (below, below + target.stride) if v > 0)
+                raise ArgumentError(f"{name} {value} px is not a multiple of {target.stride}, the pixel stride of "
+                                    f"{target.name}'s model", hint=f"give {name} {nearest}")
         recorded = target.to_dict()
         _check_made(recorded, frames, output)  # before the load: the target says what it makes
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,

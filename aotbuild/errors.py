@@ -24,6 +24,12 @@ class TargetError(AotbuildError):
     exit_code = 2
 
 
+class ArgumentError(AotbuildError):
+    """A command-line value the command cannot take, found before anything loads: a usage error."""
+
+    exit_code = 2
+
+
 class SourceError(AotbuildError):
     """The pipeline source (Hub id, folder or random config set) cannot be read."""
 

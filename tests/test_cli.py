@@ -169,6 +169,10 @@ def test_run_needs_one_of_target_or_artifact():
         "hint: give --target cpu-tiny-sdxl (it runs artifacts/cpu-tiny-sdxl), or --artifact artifacts/cpu-tiny-sdxl"]
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--prompt", "x", "--strength", "0.5"])
     assert result.exit_code == 1 and "--strength applies to img2img: give --image too" in result.output
+    result = CliRunner().invoke(main, ["run", "--target", TINY, "--prompt", "x", "--height", "63"])
+    assert result.exit_code == 2 and result.output.splitlines() == [  # a usage error, before anything loads
+        "error: --height 63 px is not a multiple of 4, the pixel stride of cpu-tiny-sdxl's model",
+        "hint: give --height 60 or 64"]
 
 
 def test_the_command_line_spins_openmp_threads_briefly_unless_told(tmp_path):
