@@ -242,6 +242,10 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     if dtype is not None and backend != "aot":
         raise AotbuildError(f"--dtype names the artifact's dtype (--backend aot); --backend {backend} runs the "
                             f"target's pipeline in the target's dtype")
+    from .runtime.load import UncuratedPipelineWarning
+
+    # Said once, by the build and `inspect`: not at every run of a pipeline built by capture.
+    warnings.filterwarnings("ignore", category=UncuratedPipelineWarning)
     start = time.perf_counter()
     adapters = [parse_lora(text) for text in loras]
     if artifact is not None:

@@ -13,6 +13,7 @@ import dataclasses
 import shutil
 import subprocess
 import sys
+import warnings
 
 import diffusers
 import numpy as np
@@ -89,9 +90,15 @@ def test_what_is_not_curated_is_said(family):
     fixture) say the artifact was built by capture and what that did not test."""
     from .test_cli import invoke
 
-    _, built, _, _ = family
+    target, built, _, _ = family
     assert built.manifest["pipeline"] == {"curated": False, "note": UNCURATED}
     assert f"pipeline   {UNCURATED}\n" in invoke("inspect", str(built.folder)).output
+    if target.name == FAMILIES[0]:  # the command line says it at build and in inspect, not at every run
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = invoke("run", "--artifact", str(built.folder), "--prompt", "x", "--steps", "1", "--output",
+                            str(built.folder.parent / "run.png"))
+        assert result.exit_code == 0 and not [w for w in seen if w.category is UncuratedPipelineWarning]
 
 
 def test_the_default_call(family):
