@@ -140,27 +140,24 @@ def recording_folds(describe: Callable[[torch.fx.Node], Any]) -> Iterator[dict[s
     it replaces, taken before the node is gone. Without it: a frozen model's constants are values
     of the build's weights, and another checkpoint or a LoRA could not be prepared the same way.
 
-    On leaving the block the frozen constants are dropped from every graph module still holding
-    them, and the graph modules the compile made and left alive lose their weights: inductor keeps
-    the last graph it lowered alive after the compile (torch 2.13; reached through an iterator in a
-    closure aotbuild cannot touch), and with it every weight and packed copy the compiled code
-    binds: for SDXL's UNet 5 GiB of packed constants and 4.8 GiB of weights, held through a
-    UNet-only build's validation (21.7 GiB at peak, then 17.0 with the packed constants dropped,
-    against 11.8 with a VAE compiled after it, whose graph took the UNet's place)."""
+    On leaving the block the graph modules the compile made and left alive lose their weights and
+    frozen constants: inductor keeps the last graph it lowered alive after the compile (torch 2.13;
+    reached through an iterator in a closure aotbuild cannot touch), and with it every weight and
+    packed copy the compiled code binds: for SDXL's UNet 5 GiB of packed constants and 4.8 GiB of
+    weights, held through a UNet-only build's validation (21.7 GiB at peak, 11.1 without them;
+    11.8 with a VAE compiled after the UNet, whose graph took the UNet's place)."""
     from torch._inductor import constant_folding, freezing
 
     folds: dict[str, Any] = {}
-    made: list[weakref.ref] = []  # the constants freezing made: never kept alive by the record
     original = constant_folding.replace_node_with_constant
 
     def replace(gm: torch.fx.GraphModule, node: torch.fx.Node, constant: torch.Tensor | None = None,
                 name: str | None = None) -> None:
-        recipe = describe(node) if constant is not None else None
+        made = describe(node) if constant is not None else None
         before = set(gm._buffers)
         original(gm, node, constant, name)
         for new in set(gm._buffers) - before:
-            folds[new] = recipe
-            made.append(weakref.ref(gm._buffers[new]))
+            folds[new] = made
 
     constant_folding.replace_node_with_constant = freezing.replace_node_with_constant = replace
     before = weakref.WeakSet(_graph_modules())
@@ -168,23 +165,20 @@ def recording_folds(describe: Callable[[torch.fx.Node], Any]) -> Iterator[dict[s
         yield folds
     finally:
         constant_folding.replace_node_with_constant = freezing.replace_node_with_constant = original
-        _drop_compile_leftovers(before, {id(tensor) for ref in made if (tensor := ref()) is not None})
+        _drop_compile_leftovers(before)
 
 
 def _graph_modules() -> Iterator[torch.fx.GraphModule]:
     return (o for o in gc.get_objects() if isinstance(o, torch.fx.GraphModule))
 
 
-def _drop_compile_leftovers(before: weakref.WeakSet, frozen: set[int]) -> None:
-    """Remove these frozen constants (`_frozen_paramN` buffers, by id) from every graph module, and
-    every weight from the graph modules made since `before` and alive after collection: the
-    compile's output is its files, nothing runs those graphs again."""
+def _drop_compile_leftovers(before: weakref.WeakSet) -> None:
+    """Remove every weight and frozen constant (`_frozen_paramN` buffers) from the graph modules
+    made since `before` and alive after collection: the compile's output is its files, nothing
+    runs those graphs again. (Freezing leaves the graph it was given as it was.)"""
     gc.collect()
     for graph in _graph_modules():
-        if graph in before:
-            for name in [n for n, t in graph._buffers.items() if n.startswith("_frozen_param") and id(t) in frozen]:
-                del graph._buffers[name]
-        else:
+        if graph not in before:
             for module in graph.modules():
                 module._parameters.clear()
                 module._buffers.clear()
