@@ -148,13 +148,12 @@ def plot_growth(document: dict[str, Any], path: Path) -> None:
     rows = document["builds"]
     parameters = [b["parameters"] for b in rows]
     by_size = max(parameters) > 1.5 * min(parameters)  # else one model at several sizes: by target
-    place = (lambda b: b["parameters"]) if by_size else (lambda b: rows.index(b))
-    scale = "log" if by_size else "linear"
+    places = parameters if by_size else list(range(len(rows)))
 
     def draw(axes: Any, key: str, per: float, style: str, label: str, **line: Any) -> None:
-        known = [b for b in rows if b[key] is not None]  # compile_s: not in manifests from before it was kept
-        axes.plot([place(b) for b in known], [b[key] / per for b in known], style, label=label, **line)
-        axes.set_xscale(scale)
+        known = [i for i, b in enumerate(rows) if b[key] is not None]  # compile_s: not in older manifests
+        axes.plot([places[i] for i in known], [rows[i][key] / per for i in known], style, label=label, **line)
+        axes.set_xscale("log" if by_size else "linear")
 
     draw(builds, "build_s", 60, "o-", "build (min)")
     draw(builds, "compile_s", 60, "s-", f"{document['meta']['component']} compile (min)")
