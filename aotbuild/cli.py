@@ -85,26 +85,28 @@ def main(debug: bool) -> None:
 
 @main.command()
 @click.option("--dir", "targets_dir", type=click.Path(path_type=Path), help="targets folder (default: ./targets)")
-def targets(targets_dir: Path | None) -> None:
-    """List the targets, one line each."""
-    from .pipelines import TEXT
-    from .targets import images_text, list_targets
+@click.option("--check", is_flag=True, help="validate each target as a build does (reads the pipeline classes: "
+                                            "seconds, not a blink)")
+def targets(targets_dir: Path | None, check: bool) -> None:
+    """List the targets, one line each, as their files say; exit 1 where one is invalid."""
+    from .targets import describe, load_target, target_files
 
-    targets = list_targets(targets_dir)
-    width = max((len(t.name) for t in targets), default=0)
-    for t in targets:
-        shapes = ",".join(str(s) for s in t.shapes)
-        if t.dynamic:
-            shapes += ",{}-{}x{}-{}x{}-{}".format(*t.dynamic["batch"], *t.dynamic["height"], *t.dynamic["width"])
-            shapes += "/{}-{}frames".format(*t.dynamic["frames"]) if "frames" in t.dynamic else ""
-            shapes += "/text{}-{}".format(*t.dynamic[TEXT]) if TEXT in t.dynamic else ""
-            shapes += f"/images{images_text(t.dynamic_images)}" if t.dynamic_images else ""
-        runtime = (["cuda_graphs"] * t.cuda_graphs + ["multi_arch"] * bool(t.gpu and t.gpu.multi_arch)
-                   + ["regional"] * (t.compile_mode == "regional"))
-        runtime += [f"guidance={t.guidance}"] * (t.guidance != "both")
-        components = ",".join(c + "[tiling]" * (c in t.tiling) for c in t.components)
-        click.echo(f"{t.name:<{width}} {t.device:<5} {t.dtype:<9} {t.pipeline:<32} shapes={shapes} "
-                   f"components={components}" + (f" {' '.join(runtime)}" if runtime else ""))
+    rows, invalid = [], []
+    for path in target_files(targets_dir):
+        try:
+            row = describe(path)
+            if check:
+                load_target(path)
+            rows.append(row)
+        except AotbuildError as exc:
+            invalid.append(exc)
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(4)]
+    for row in rows:
+        click.echo(" ".join(f"{field:<{width}}" for field, width in zip(row, widths, strict=False)) + f" {row[-1]}")
+    for exc in invalid:
+        click.echo(f"error: {exc.message}" + (f"\nhint: {exc.hint}" if exc.hint else ""), err=True)
+    if invalid:
+        raise SystemExit(1)
 
 
 @main.command()
@@ -213,7 +215,6 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext); with --mask too, inpainting."""
-    from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
     from .media import check_video_writer, video_fps, write_video
 
     if target_name is not None and artifact is not None:
@@ -242,6 +243,18 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     if dtype is not None and backend != "aot":
         raise AotbuildError(f"--dtype names the artifact's dtype (--backend aot); --backend {backend} runs the "
                             f"target's pipeline in the target's dtype")
+    if target_name is not None:  # a mistyped name or a size the model cannot make, said before torch is imported
+        from .targets import load_target, stride_of, target_file
+
+        path = target_file(target_name)
+        stride = stride_of(path) or load_target(path).stride
+        for name, value in (("--height", height), ("--width", width)):
+            if value is not None and value % stride:
+                below = value - value % stride
+                nearest = " or ".join(str(v) for v in (below, below + stride) if v > 0)
+                raise ArgumentError(f"{name} {value} px is not a multiple of {stride}, the pixel stride of "
+                                    f"{path.stem}'s model", hint=f"give {name} {nearest}")
+    from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
     from .runtime.load import UncuratedPipelineWarning
 
     # Said once, by the build and `inspect`: not at every run of a pipeline built by capture.
@@ -253,16 +266,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                                           trust_remote_code=trust_remote_code, variant=variant, dtype=dtype)
         _check_made(recorded, frames, output)  # its manifest says what it makes
     else:
-        from .targets import load_target
-
-        target = load_target(target_name)
+        target = load_target(path)
         _say_where((target_name,), artifacts)
-        for name, value in (("--height", height), ("--width", width)):
-            if value is not None and value % target.stride:
-                below = value - value % target.stride
-                nearest = " or ".join(str(v) for v in (below, below + target.stride) if v > 0)
-                raise ArgumentError(f"{name} {value} px is not a multiple of {target.stride}, the pixel stride of "
-                                    f"{target.name}'s model", hint=f"give {name} {nearest}")
         recorded = target.to_dict()
         _check_made(recorded, frames, output)  # before the load: the target says what it makes
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,
@@ -343,9 +348,11 @@ def inspect(artifact: str, as_json: bool) -> None:
 def verify(artifact: str) -> None:
     """Check hashes and fit to this machine; exits non-zero on any problem."""
     from .manifest import read_manifest, verify_files
-    from .runtime import artifact_folder, check_fit
+    from .runtime import artifact_folder
 
     folder, _ = artifact_folder(artifact)
+    from .runtime import check_fit
+
     manifest = read_manifest(folder)
     verify_files(folder, manifest)
     check_fit(manifest)

@@ -1,5 +1,6 @@
 """The manifest: schema version, environment fingerprint, file hashes, and the checks that decide
-whether an artifact fits this machine. Imported by the runtime: torch, hashlib and json only."""
+whether an artifact fits this machine. Imported by the runtime and by commands that only read an
+artifact (`inspect`): torch is imported where a check computes with it, not at import."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .errors import CorruptArtifactError, IncompatibleArtifactError
 
+if TYPE_CHECKING:
+    import torch
+
 MANIFEST_NAME = "manifest.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # names in targets
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a target names; `DTYPES` maps them to torch's
 SCHEMA_VERSION = 3  # 2: only bound constants are stored, non-contiguous ones in memory order (constants.layouts);
 # 3: batch dims in units of the call's batch over `call_batch` (guided and unguided calls), VAE parts
 # 4: a regional component (compiled regions + eager code between them), or a dynamic input laid out as
@@ -130,6 +132,8 @@ def aotbuild_version() -> str:
 def environment(device: str, index: int | None = None) -> dict[str, Any]:
     """What decides whether compiled code runs here: torch build, accelerator, CPU, Python. On
     CUDA, the GPU numbered `index` (default: the current one), the one the caller will run on."""
+    import torch
+
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_git": torch.version.git_version,
@@ -301,6 +305,8 @@ def check_compatible(manifest: dict[str, Any], *, device: str | torch.device | N
     Raises:
         IncompatibleArtifactError: torch version, device type, GPU capability, CPU ISA or dtype differ.
     """
+    import torch
+
     built = manifest["environment"]
     wanted = torch.device(device) if device is not None else None
     if here is None:
@@ -336,3 +342,11 @@ def check_compatible(manifest: dict[str, Any], *, device: str | torch.device | N
         raise IncompatibleArtifactError("dtype", dtype, manifest["target"]["dtype"],
                                         hint=f"load it without dtype= (it runs {manifest['target']['dtype']}), or "
                                              f"build a target with dtype = \"{dtype}\"")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # {name: torch dtype}, made on first use: reading a manifest needs no torch
+        import torch
+
+        return {dtype: getattr(torch, dtype) for dtype in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,8 @@ pipeline calls them, which attributes it reads from them, and which shapes they 
 Adding a pipeline means adding a `PipelineSpec` here; capture, export, runtime and target
 validation all read these descriptions. A diffusers pipeline class without an entry gets one
 derived from its component types (`derived_spec`): built by capture, and marked not curated.
-This module imports torch only (diffusers when a spec is derived).
+This module imports no torch at import (the VAE parts' modules are in `vae_parts`), and diffusers
+only when a spec is derived or a class is read.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import TargetError
+
+if TYPE_CHECKING:
+    import torch
 
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 # The text length a pipeline pads its prompt to (diffusers' call argument): a shape like the size.
@@ -47,41 +49,6 @@ FRAMEWISE_VAES = ("AutoencoderKLQwenImage",)
 COMPILED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2", *FRAMEWISE_VAES)
 
 
-class VaeDecoderModule(torch.nn.Module):
-    """What `AutoencoderKL` (and FLUX.2's `AutoencoderKLFlux2`, the same code) runs per decode (or
-    per tile): post-quant conv then decoder.
-
-    Holding only these two submodules keeps the encoder's weights out of the exported program;
-    `bn` (`KEPT_MODULES`), where the VAE has one, is held for its statistics, never called.
-    """
-
-    def __init__(self, vae: torch.nn.Module) -> None:
-        super().__init__()
-        self.post_quant_conv = getattr(vae, "post_quant_conv", None)
-        self.decoder = vae.decoder
-        self.bn = getattr(vae, "bn", None)
-
-    def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        if self.post_quant_conv is not None:
-            latents = self.post_quant_conv(latents)
-        return self.decoder(latents)
-
-
-class VaeEncoderModule(torch.nn.Module):
-    """What `AutoencoderKL` runs per encode (or per tile): encoder then quant conv, giving the
-    moments its `DiagonalGaussianDistribution` is made of."""
-
-    def __init__(self, vae: torch.nn.Module) -> None:
-        super().__init__()
-        self.encoder = vae.encoder
-        self.quant_conv = getattr(vae, "quant_conv", None)
-        self.bn = getattr(vae, "bn", None)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        moments = self.encoder(images)
-        return self.quant_conv(moments) if self.quant_conv is not None else moments
-
-
 def _same_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
@@ -103,24 +70,16 @@ def vae_factor(config: Mapping[str, Any]) -> int:
     return 2 ** (len(config["block_out_channels"]) - 1)
 
 
-def _one_frame(vae: torch.nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-    """The VAE's input layout: a frame axis of one for the frame-wise causal VAEs (FRAMEWISE_VAES)."""
-    return tensor.unsqueeze(2) if type(vae).__name__ in FRAMEWISE_VAES else tensor
+def _vae_part(name: str) -> Callable:
+    """`vae_parts.<name>`, imported at its first call: this module imports no torch, so that
+    reading a target or an artifact's manifest answers at once."""
+    def call(*args: Any) -> Any:
+        from . import vae_parts
 
+        return getattr(vae_parts, name)(*args)
 
-def _random_latents(vae: torch.nn.Module, batch: int, height: int, width: int,
-                    generator: torch.Generator) -> CallInputs:
-    factor = vae_factor(vae.config)
-    channels = vae.config.get("latent_channels") or vae.config["z_dim"]  # Qwen-Image's names it z_dim
-    latents = torch.randn((batch, channels, height // factor, width // factor), generator=generator)
-    return (_one_frame(vae, latents),), {}
-
-
-def _random_images(vae: torch.nn.Module, batch: int, height: int, width: int,
-                   generator: torch.Generator) -> CallInputs:
-    # Pixels in [-1, 1], as the pipelines' image processors hand them to the encoder.
-    channels = vae.config.get("in_channels") or vae.config["input_channels"]
-    return (_one_frame(vae, torch.rand((batch, channels, height, width), generator=generator) * 2 - 1),), {}
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 @dataclass(frozen=True)
@@ -273,16 +232,17 @@ VAE_DECODER = ComponentSpec(
     name="vae_decoder",
     attribute="vae",
     method="decode",
-    export_module=VaeDecoderModule,
+    export_module=_vae_part("VaeDecoderModule"),
     call_inputs=_first_tensor,
     output_class=None,
     part="decoder",
-    random_call=_random_latents,
+    random_call=_vae_part("random_latents"),
     runtime_config=VAE_RUNTIME_CONFIG,
 )
 
-VAE_ENCODER = dataclasses.replace(VAE_DECODER, name="vae_encoder", method="encode", export_module=VaeEncoderModule,
-                                  part="encoder", random_call=_random_images, recorded=False)
+VAE_ENCODER = dataclasses.replace(VAE_DECODER, name="vae_encoder", method="encode",
+                                  export_module=_vae_part("VaeEncoderModule"), part="encoder",
+                                  random_call=_vae_part("random_images"), recorded=False)
 
 
 def _patch_pixel_stride(configs: dict[str, dict]) -> int:
@@ -352,6 +312,7 @@ PIPELINES: dict[str, PipelineSpec] = {
 
 def seeded_image(height: int, width: int) -> Any:
     """An RGB PIL image of random pixels, seeded by its size: the image captures edit or inpaint."""
+    import torch
     from PIL import Image
 
     generator = torch.Generator("cpu").manual_seed(height * 1009 + width)
@@ -367,6 +328,7 @@ def seeded_images(sizes: Sequence[tuple[int, int]]) -> list[Any]:
 def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     """A seeded image and a mask whose right half is repainted, as PIL images; strength 1 so one
     inference step still runs the denoiser (SDXL inpainting's default 0.9999 would run none)."""
+    import torch
     from PIL import Image
 
     mask = (torch.arange(width) >= width // 2).to(torch.uint8).mul(255).expand(height, width)

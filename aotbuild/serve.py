@@ -246,7 +246,7 @@ def covered(pipe: Any, recorded: dict[str, Any], call: dict[str, Any]) -> str | 
     compiled model refused it). An artifact's denoiser says what its variants cover; the eager and
     compile backends are held to the largest call the target covers."""
     from .runtime.component import CompiledComponent
-    from .runtime.refusals import variant_coverage, variant_covers
+    from .runtime.coverage import variant_coverage, variant_covers
 
     images, height, width, frames = call["images"], call["height"], call["width"], call.get("frames")
     guided = call["guidance_scale"] > 1

@@ -1,5 +1,9 @@
 """Targets: what to build, for which machine, at which shapes. Parsed from TOML once, validated once,
-then trusted; `Target.to_dict()` is the JSON form stored in the manifest and round-trips."""
+then trusted; `Target.to_dict()` is the JSON form stored in the manifest and round-trips.
+
+Importing this module imports no torch: finding a target by name, listing the folder (`describe`)
+and their errors answer at once; validating one (`parse_target`) imports the compile options and
+the diffusers classes it checks against."""
 
 from __future__ import annotations
 
@@ -14,14 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .errors import SourceError, TargetError
-from .export import PROFILES, check_inductor_keys, cpu_gemm_templates, supports_multi_arch
-from .manifest import DTYPES as DTYPE_BY_NAME
+from .manifest import DTYPE_NAMES as DTYPES
 from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
 
-DTYPES = tuple(DTYPE_BY_NAME)
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
@@ -173,6 +173,18 @@ def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None
     Raises:
         TargetError: the file is missing or invalid; the message names the file and key.
     """
+    path = target_file(name_or_path, targets_dir)
+    target = parse_target(read_target_file(path), origin=str(path), base_dir=path.parent)
+    if target.name != path.stem:
+        raise TargetError(f"{path}: key 'name' is {target.name!r} but the file is named {path.stem!r}",
+                          hint=f"a target is found by its file name: rename the file to {target.name}.toml or set "
+                               f"name = {path.stem!r}")
+    return target
+
+
+def target_file(name_or_path: str | os.PathLike, targets_dir: Path | None = None) -> Path:
+    """The TOML file of a target named in the targets folder, or given by its path (no torch: a
+    mistyped name is refused at once, with the closest name)."""
     text = os.fspath(name_or_path)
     path = Path(text)
     if is_target_name(text):
@@ -188,22 +200,73 @@ def load_target(name_or_path: str | os.PathLike, targets_dir: Path | None = None
                               + "or give the path of a target's TOML file")
     if not path.is_file():
         raise TargetError(f"target file {path} does not exist")
+    return path
+
+
+def read_target_file(path: Path) -> dict[str, Any]:
+    """A target file's TOML, as written (not validated)."""
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise TargetError(f"{path}: not valid TOML: {exc}") from None
-    target = parse_target(raw, origin=str(path), base_dir=path.parent)
-    if target.name != path.stem:
-        raise TargetError(f"{path}: key 'name' is {target.name!r} but the file is named {path.stem!r}",
-                          hint=f"a target is found by its file name: rename the file to {target.name}.toml or set "
-                               f"name = {path.stem!r}")
-    return target
+
+
+def target_files(targets_dir: Path | None = None) -> list[Path]:
+    """The target files in the folder, sorted by name."""
+    directory = targets_dir or default_targets_dir()
+    return sorted(directory.glob("*.toml"), key=lambda p: p.stem)
 
 
 def list_targets(targets_dir: Path | None = None) -> list[Target]:
     """Every valid target in the folder, sorted by name (invalid files raise TargetError)."""
-    directory = targets_dir or default_targets_dir()
-    return [load_target(p) for p in sorted(directory.glob("*.toml"), key=lambda p: p.stem)]
+    return [load_target(p) for p in target_files(targets_dir)]
+
+
+def stride_of(path: Path) -> int | None:
+    """The pixel stride of a target file's model, read before the file is validated (validation
+    reads the diffusers classes: seconds), so that a size the model cannot make is refused at once.
+    None where the file does not name a pipeline and a source plainly: `load_target` says why."""
+    from .sources import pixel_stride
+
+    raw = read_target_file(path)
+    pipeline, source = raw.get("pipeline"), raw.get("source")
+    if not (isinstance(pipeline, str) and isinstance(source, str)):
+        return None
+    try:
+        return pixel_stride(pipeline_spec(pipeline), source, path.parent)
+    except (TargetError, SourceError):
+        return None
+
+
+def describe(path: Path) -> tuple[str, ...]:
+    """What `aotbuild targets` lists of a target file, read as written, without validating it (no
+    torch or diffusers import): name, device, dtype, pipeline, then shapes, components and runtime
+    options as one text.
+
+    Raises:
+        TargetError: the file is not TOML, or not laid out as a target (`load_target` says where).
+    """
+    raw = read_target_file(path)
+    try:
+        shapes = [str(ShapeBucket(**{key: tuple(map(tuple, value)) if key == "images" else
+                                     tuple(value) if key == "image" else value for key, value in table.items()}))
+                  for table in raw["shapes"]]
+        if dynamic := raw.get("dynamic"):
+            text = "{}-{}x{}-{}x{}-{}".format(*dynamic["batch"], *dynamic["height"], *dynamic["width"])
+            text += "/{}-{}frames".format(*dynamic["frames"]) if "frames" in dynamic else ""
+            text += "/text{}-{}".format(*dynamic[TEXT]) if TEXT in dynamic else ""
+            shapes.append(text + (f"/images{images_text(dynamic['images'])}" if "images" in dynamic else ""))
+        components = ",".join(name + "[tiling]" * bool(options.get("tiling"))
+                              for name, options in raw["components"].items())
+        runtime = (["cuda_graphs"] * bool(raw.get("cuda_graphs")) + ["multi_arch"] * bool(raw.get("gpu", {}).get(
+            "multi_arch")) + ["regional"] * (raw.get("compile", {}).get("mode") == "regional"))
+        if raw.get("guidance", Target.guidance) != Target.guidance:
+            runtime.append(f"guidance={raw['guidance']}")
+        return (raw["name"], raw["device"], raw.get("dtype", Target.dtype), raw["pipeline"],
+                f"shapes={','.join(shapes)} components={components}" + "".join(f" {r}" for r in runtime))
+    except (KeyError, TypeError, ValueError, AttributeError):  # malformed in a way only validation names
+        raise TargetError(f"{path}: not laid out as a target", hint=f"aotbuild build --target {path} says "
+                                                                    f"which key is wrong") from None
 
 
 def _expect(origin: str, key: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
@@ -220,6 +283,7 @@ def _choice(origin: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     """Validate raw TOML data into a Target; every error names `origin` and the offending key."""
+    from .export import PROFILES, check_inductor_keys, cpu_gemm_templates, supports_multi_arch
     from .optimize import validate_optimize  # the pass registry validates its own keys
     from .sources import max_pixels, pixel_stride
 
@@ -255,6 +319,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
         multi_arch = _expect(origin, "gpu.multi_arch", table.get("multi_arch", False), bool, "true or false")
         if multi_arch and not supports_multi_arch():
+            import torch
+
             raise TargetError(f"{origin}: key 'gpu.multi_arch': torch {torch.__version__} has no "
                               f"aot_inductor.emit_multi_arch_kernel option")
         gpu = GpuSpec(name=str(table["name"]), capability=capability, multi_arch=multi_arch)

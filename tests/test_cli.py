@@ -193,3 +193,47 @@ def test_the_command_line_spins_openmp_threads_briefly_unless_told(tmp_path):
     assert spin() == "10000 None False"  # torch not loaded before the command sets it
     assert spin(OMP_WAIT_POLICY="PASSIVE") == "None PASSIVE False"
     assert spin(GOMP_SPINCOUNT="0") == "0 None False"
+
+
+# What a command answers from its arguments, a target file or a manifest alone: (arguments, exit
+# code, the first line of stderr, the hint). Each is said before torch is imported (a fresh process
+# importing torch and diffusers takes 5-7 s on 2 cores; these take a fraction of one).
+ANSWERED_AT_ONCE = [
+    (["targets"], 0, None, None),
+    (["build", "--target", "cpu-tiny-sdx"], 2, "error: no target named 'cpu-tiny-sdx' in ",
+     "hint: did you mean cpu-tiny-sdxl? aotbuild targets lists the "),
+    (["run", "--target", "cpu-tiny-sdx", "--prompt", "x"], 2, "error: no target named 'cpu-tiny-sdx' in ",
+     "hint: did you mean cpu-tiny-sdxl? "),
+    (["run", "--target", "cpu-tiny-sdxl", "--prompt", "x", "--height", "63"], 2,
+     "error: --height 63 px is not a multiple of 4, the pixel stride of cpu-tiny-sdxl's model",
+     "hint: give --height 60 or 64"),
+    (["bench", "--target", "cpu-tiny-sdx"], 2, "error: no target named 'cpu-tiny-sdx' in ", "hint: did you mean "),
+    (["push", "--target", "cpu-tiny-sdx", "--repo", "org/name"], 2, "error: no target named ", "hint: did you mean "),
+    (["inspect", "nowhere"], 1, "error: no artifact at nowhere: no such folder", "hint: give an artifact's folder"),
+    (["verify", "nowhere"], 1, "error: no artifact at nowhere: no such folder", "hint: give an artifact's folder"),
+    (["pull", "org/name"], 1, "error: hf://org/name holds native code", "hint: "),
+    (["cache"], 0, None, None),
+]
+
+
+@pytest.mark.parametrize(("args", "code", "error", "hint"), ANSWERED_AT_ONCE, ids=lambda v: " ".join(v)
+                         if isinstance(v, list) else None)
+def test_what_the_arguments_decide_is_said_without_importing_torch(args, code, error, hint, tmp_path):
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('torch imported' * ('torch' in sys.modules), file=sys.stderr))\n"
+             "from aotbuild.cli import main\nmain(sys.argv[1:], prog_name='aotbuild')")
+    result = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "AOTBUILD_CACHE": str(tmp_path)}, timeout=120)
+    lines = result.stderr.splitlines()
+    assert result.returncode == code and "torch imported" not in lines and "Traceback" not in result.stderr, \
+        result.stderr
+    if error:
+        assert lines[0].startswith(error) and lines[1].startswith(hint), lines
+
+
+def test_inspect_reads_a_manifest_without_importing_torch(built):
+    probe = ("import sys\nfrom aotbuild.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+             "    print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe, "inspect", str(built.folder)], capture_output=True,
+                            text=True, cwd=ROOT, timeout=120)
+    assert result.stdout.splitlines()[-1] == "False" and "32-96x32-96 px (multiples of 4), 1-3 images" in result.stdout

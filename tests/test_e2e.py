@@ -135,7 +135,7 @@ def _replace_weights(folder, pipe):
     """Write `pipe`'s weights into the artifact under the exported FQNs."""
     from safetensors.torch import save_file
 
-    from aotbuild.pipelines import VaeDecoderModule
+    from aotbuild.vae_parts import VaeDecoderModule
 
     save_file({k: v.contiguous() for k, v in pipe.unet.state_dict().items()}, folder / "unet.safetensors")
     save_file({k: v.contiguous() for k, v in VaeDecoderModule(pipe.vae).state_dict().items()},

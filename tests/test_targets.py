@@ -242,13 +242,13 @@ def test_an_inductor_typo_is_refused_when_the_target_is_read_with_the_closest_op
 
 
 def test_commands_print_nothing_the_libraries_say_on_import(tmp_path):
-    """A fresh `aotbuild targets` process imports diffusers, transformers and torchao: their
+    """A fresh `aotbuild targets --check` process imports diffusers, transformers and torchao: their
     import-time notes (torchao's kernels for another Python, torch's pytree deprecations,
     transformers' PIL fallback without torchvision) look like a broken install; none is printed."""
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "aotbuild.cli", "targets", "--dir", str(TARGETS)],
+    result = subprocess.run([sys.executable, "-m", "aotbuild.cli", "targets", "--check", "--dir", str(TARGETS)],
                             capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0 and "cpu-tiny-sdxl" in result.stdout
     assert result.stderr == ""
@@ -292,6 +292,26 @@ def test_cli_targets_lists_one_line_each():
     assert lines["h100-sdxl"].split()[1:3] == ["cuda", "bfloat16"]
     assert lines["h200-sdxl-random"].endswith(" cuda_graphs") and lines["a100-sdxl"].endswith(" multi_arch")
     assert not lines["cpu-tiny-sdxl"].endswith(("cuda_graphs", "multi_arch"))
+
+
+def test_cli_targets_lists_files_as_written_and_check_says_which_are_invalid(tmp_path):
+    """The listing reads each file without validating it (no torch); --check validates each as a
+    build does. An invalid file never hides the others: it is named on stderr, and the exit is 1."""
+    write_target(tmp_path, GOOD)
+    (tmp_path / "broken.toml").write_text("name = [")
+    (tmp_path / "half.toml").write_text('name = "half"\npipeline = "StableDiffusionXLPipeline"\n')
+    (tmp_path / "wrong.toml").write_text(GOOD.replace('name = "t"', 'name = "wrong"').replace("height = 64",
+                                                                                           "height = 63"))
+    result = CliRunner().invoke(main, ["targets", "--dir", str(tmp_path)])
+    listed = [line.split()[0] for line in result.stdout.splitlines()]
+    assert result.exit_code == 1 and listed == ["t", "wrong"]
+    assert result.stderr.splitlines() == [
+        f"error: {tmp_path / 'broken.toml'}: not valid TOML: Invalid value (at end of document)",
+        f"error: {tmp_path / 'half.toml'}: not laid out as a target",
+        f"hint: aotbuild build --target {tmp_path / 'half.toml'} says which key is wrong"]
+    result = CliRunner().invoke(main, ["targets", "--check", "--dir", str(tmp_path)])
+    assert result.exit_code == 1 and [line.split()[0] for line in result.stdout.splitlines()] == ["t"]
+    assert f"error: {tmp_path / 'wrong.toml'}: key 'shapes[0].height' = 63 is not a multiple of 4" in result.stderr
 
 
 def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):

@@ -4,6 +4,7 @@ bind their weights without copies, and swap them into a diffusers pipeline.
 One module per concern: `cache` (extracted packages, verified weights, what is trusted),
 `weights` (layouts, binding checks, borrowed views), `variant` (one compiled model, and what
 the models of one load share), `graphs` (CUDA graphs), `component` (the stand-in module),
+`artifacts` (where an artifact is), `coverage` (what a variant serves, in a call's terms),
 `refusals` (why a call is not served, in the caller's terms),
 `guards` (what a stand-in refuses, and the diffusers pipeline methods that ask first),
 `regional` (a regional denoiser: diffusers' forward calling compiled blocks), `step_cache`
@@ -12,26 +13,30 @@ VAE's stand-in: diffusers' encode and decode over the compiled parts), `load` (t
 points).
 
 Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,
-torchao or torch._dynamo: what this package imports decides cold start.
+torchao or torch._dynamo: what this package imports decides cold start. The names below are
+imported on first use: `artifacts`, `coverage` and `cache` need no torch.
 """
 
-from .cache import (
-    check_artifact_files,
-    clear_package_cache,
-    extracted_package,
-    package_cache_dir,
-    package_cache_usage,
-)
-from .component import CompiledComponent, Config
-from .graphs import CudaGraph, GraphPool
-from .load import apply, artifact_folder, check_fit, load_components, load_pipeline
-from .refusals import variant_coverage
-from .variant import CompiledVariant, leaf_name, leaf_signature, open_model
-from .weights import load_weights
+from typing import Any
 
-__all__ = [
-    "CompiledComponent", "CompiledVariant", "Config", "CudaGraph", "GraphPool", "apply", "artifact_folder", "check_fit",
-    "check_artifact_files", "clear_package_cache", "extracted_package", "load_components", "load_pipeline",
-    "load_weights", "leaf_name", "leaf_signature", "open_model", "package_cache_dir", "package_cache_usage",
-    "variant_coverage",
-]
+# name: the module defining it. Imported on first use, so that a command reading a manifest
+# (`coverage`, `artifacts`, `cache`) imports no torch.
+_LAZY = {
+    "check_artifact_files": "cache", "clear_package_cache": "cache", "extracted_package": "cache",
+    "package_cache_dir": "cache", "package_cache_usage": "cache",
+    "CompiledComponent": "component", "Config": "component", "CudaGraph": "graphs", "GraphPool": "graphs",
+    "apply": "load", "check_fit": "load", "load_components": "load", "load_pipeline": "load",
+    "artifact_folder": "artifacts", "variant_coverage": "coverage",
+    "CompiledVariant": "variant", "leaf_name": "variant", "leaf_signature": "variant", "open_model": "variant",
+    "load_weights": "weights",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

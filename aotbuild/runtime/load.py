@@ -18,7 +18,6 @@ import torch
 
 from ..errors import (
     AotbuildError,
-    ArtifactError,
     IncompatibleArtifactError,
     PrecisionError,
     SourceError,
@@ -35,6 +34,7 @@ from ..manifest import (
     validated_with_tf32,
 )
 from ..pipelines import PipelineSpec, pipeline_spec, runtime_config_keys
+from .artifacts import artifact_folder
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
 from .checkpoint import checkpoint_config, checkpoint_constants, module_tensors
@@ -233,32 +233,6 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
 
 class UncuratedPipelineWarning(UserWarning):
     """The artifact's pipeline class has no aotbuild entry: it was built by capture."""
-
-
-def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
-                    pipeline: str | None = None, verify: bool = False, variant: str | None = None,
-                    manifest_only: bool = False) -> tuple[Path, Any]:
-    """(local folder, `hub.Resolved` or None for a local folder). `hf://org/name[@revision]` is
-    resolved to one commit, then to the variant fitting this machine (and `pipeline`, and
-    `variant`: a target name or a variant path) in the HF cache, downloading only that variant
-    (`manifest_only`: its manifest); `verify` hashes its every file (loading checks them its own way)."""
-    if isinstance(artifact, str) and artifact.startswith("hf://"):
-        from ..hub import resolve
-
-        resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify, variant=variant,
-                           manifest_only=manifest_only)
-        return resolved.folder, resolved
-    folder = Path(artifact)
-    if not folder.exists():
-        from ..sources import hub_id_form
-
-        text = os.fspath(artifact)
-        hub_like = hub_id_form(text)
-        raise ArtifactError(f"no artifact at {text}: no such folder", hint=(
-            f"an artifact on the Hub is named hf://{text} (a diffusers model's repo is a target's source: build "
-            f"it first)" if hub_like else
-            "give an artifact's folder: artifacts/NAME after `aotbuild build --target NAME`, or hf://org/name"))
-    return folder, None
 
 
 WEIGHTS_CHOICES = ("pipeline", "artifact")
