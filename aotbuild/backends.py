@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,49 @@ def parse_lora(text: str) -> tuple[str, float]:
     if not local.exists():
         raise AotbuildError(f"--lora {path}: no such file or folder",
                             hint="give a LoRA file or folder on this machine, or a Hub repo as org/name")
+    if local.is_file() and (instead := not_a_lora(local)):
+        raise AotbuildError(f"--lora {path}: not a LoRA: {instead}", hint=LORA_FORM)
     return str(local), weight  # `~` expanded: diffusers would take the raw text for a Hub id
+
+
+LORA_FORM = ("a LoRA is a .safetensors file of low-rank weight pairs, named like "
+             "'unet.down_blocks.0...to_q.lora_A.weight' (diffusers, PEFT) or 'lora_unet_..._lora_down.weight' (kohya)")
+# What names a LoRA's (or LyCORIS') tensors: low-rank pairs, their alphas, LoHa / LoKr factors.
+LORA_MARKERS = ("lora", "alpha", "hada_", "lokr_", "dora_scale")
+
+
+def not_a_lora(path: Path) -> str | None:
+    """What a local file given as a LoRA is instead, in words, read from its first bytes and a
+    safetensors header (no weights read); None where it may be a LoRA (a pickled .bin or .pt is not
+    opened: unpickling runs code)."""
+    with open(path, "rb") as file:
+        head = file.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        header = file.read(size) if 2 <= size <= 100 * 2**20 else b""
+    try:
+        names = [name for name in json.loads(header) if name != "__metadata__"]
+    except (ValueError, TypeError):
+        names = None
+    if names is None:
+        if path.suffix in LORA_SUFFIXES[1:]:
+            return None
+        picture = _picture_format(path)
+        return (f"a {picture} image" if picture else "an empty file" if not head
+                else "not a safetensors file (no safetensors header at its start)")
+    if not any(marker in name.lower() for name in names for marker in LORA_MARKERS):
+        return (f"it holds a model's own weights ({len(names)} tensors such as {sorted(names)[0]!r}), not "
+                f"low-rank pairs; a fine-tuned checkpoint goes to --weights, as its diffusers folder")
+    return None
+
+
+def _picture_format(path: Path) -> str | None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as picture:
+            return f"{picture.format} {picture.width}x{picture.height}"
+    except (UnidentifiedImageError, OSError):
+        return None
 
 
 def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:
@@ -90,7 +133,7 @@ def load_loras(pipe: Any, loras: list[tuple[str, float]]) -> list[str]:
         try:
             pipe.load_lora_weights(path, adapter_name=name)
         except (OSError, ValueError) as exc:  # diffusers' words for a missing or malformed LoRA
-            raise AotbuildError(f"LoRA {path}: {exc}") from None
+            raise AotbuildError(f"LoRA {path}: {exc}", hint=LORA_FORM) from None
         names.append(name)
     if names:
         pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
@@ -175,7 +218,7 @@ def compile_options(target: Target) -> dict[str, Any]:
     from .export import FREEZING_OPTION, WEIGHTLESS_OPTIONS, inductor_options
     from .optimize import inductor_flags
 
-    options = inductor_options(target.inductor, inductor_flags(target.optimize))
+    options = inductor_options(target.inductor, inductor_flags(target.optimize), cpu_baseline=target.cpu_baseline)
     # Without freezing too: torch.compile would bake the weights it first saw into its code, and
     # a LoRA or checkpoint loaded afterwards would change nothing.
     return {k: v for k, v in options.items() if k not in WEIGHTLESS_OPTIONS and k != FREEZING_OPTION}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -79,6 +80,9 @@ class _Group(click.Group):
 def main(debug: bool) -> None:
     """Build diffusers pipelines into ahead-of-time compiled artifacts, and run them."""
     from .openmp import use_openmp_settings
+
+    if debug:
+        os.environ.setdefault("RAY_LOGGER_LEVEL", "info")  # Ray's own lines, WARNING and up otherwise
 
     use_openmp_settings()  # before any command imports torch
 
@@ -608,10 +612,11 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
     image and mask files: a PNG (an MP4), or JSON; or OpenAI's images requests to
     /v1/images/generations and /v1/images/edits."""
     from .hub import check_trusted
-    from .serve import parse_adapters, parse_autoscale, parse_checkpoints, run_server
+    from .serve import check_port, parse_adapters, parse_autoscale, parse_checkpoints, run_server
 
     if replicas is not None and autoscale is not None:
         raise AotbuildError("give --replicas or --autoscale, not both")
+    check_port(host, port)
     check_trusted(artifact, trust_remote_code)
     bounds = parse_autoscale(autoscale) if autoscale else None
     adapters = parse_adapters(loras)  # a missing LoRA file fails here, not in every replica

@@ -5,6 +5,7 @@ driver's environment. Ray is the optional extra `aotbuild[ray]`; nothing here im
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,17 @@ def require_ray() -> Any:
     return ray
 
 
+# Ray's notice at each start that token authentication is on (its default, nothing to act on).
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def ray_log_level() -> str:
+    """The level of Ray's own lines in aotbuild's commands: WARNING, or Ray's RAY_LOGGER_LEVEL where
+    set (`--debug` sets it to INFO). Ray's INFO lines (its start-up, Serve's controller and proxy,
+    a line per replica and per request) say nothing a user acts on."""
+    return os.environ.get("RAY_LOGGER_LEVEL", "warning").upper()
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None) -> Iterator[bool]:
     """Use the Ray this process already joined, else join `address` (RAY_ADDRESS, or the cluster
@@ -34,8 +46,12 @@ def ray_session(address: str | None) -> Iterator[bool]:
     if ray.is_initialized():
         yield False
         return
-    try:
-        ray.init(address=address, include_dashboard=False)  # a cluster joined keeps its own dashboard
+    level = ray_log_level()
+    if level != "INFO" and level != "DEBUG":
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+        logging.getLogger("ray.serve").setLevel(level)  # the driver's own Serve lines
+    try:  # a cluster joined keeps its own dashboard
+        ray.init(address=address, include_dashboard=False, logging_level=level)
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = address or os.environ.get("RAY_ADDRESS") or "a local Ray"
         raise AotbuildError(f"cannot start or join {where}: {str(exc).strip().splitlines()[0]}",

@@ -9,6 +9,7 @@ import operator
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,26 @@ MARCH_OPTION = "cpp.march"
 PORTABLE_MARCH = ""
 
 
+@dataclass(frozen=True)
+class CpuBaseline:
+    """A CPU target's `cpu.baseline`: the instruction sets its compiled code may use, for a fleet of
+    mixed CPUs (default: the build machine's, -march=native and inductor's widest vectors)."""
+
+    options: dict[str, Any]  # the inductor options that hold the code to it
+    isa: str  # what the manifest records as `cpu_isa` (torch's capability names)
+    flags: tuple[str, ...]  # and as `cpu_flags`, named as /proc/cpuinfo names them (ISA_FLAG_PREFIXES)
+
+
+# x86-64-v3: every x86 server CPU since Haswell (2013) and Zen (2017): AVX2, FMA, F16C, BMI, with
+# inductor's 256-bit vectors. AVX-512 code takes the build machine's extensions (bf16, VNNI, AMX) as
+# inductor finds them, so it is not offered as a baseline: build it on the oldest AVX-512 CPU served.
+CPU_BASELINES = {
+    "x86-64-v3": CpuBaseline(options={MARCH_OPTION: "x86-64-v3", "cpp.simdlen": 256}, isa="AVX2", flags=(
+        "abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "popcnt", "sse", "sse2", "sse4_1", "sse4_2",
+        "ssse3")),
+}
+
+
 # Set by `optimize.prepack`: AOTInductor folds the weights' layout changes and oneDNN packing into
 # constants, which the manifest records how to make (`compile_variant`).
 FREEZING_OPTION = "freezing"
@@ -109,7 +130,8 @@ def check_inductor_keys(options: dict[str, Any], error: type[AotbuildError], ori
                         "frozen constants are then made from the bound weights at load, so weights stay data")
         if key == MARCH_OPTION:
             raise error(f"{where}[inductor] key {key!r} is set by aotbuild: CPU code is built for this machine's CPU "
-                        f"(checked at load), CUDA host code for a portable baseline")
+                        f"(checked at load), CUDA host code for a portable baseline",
+                        hint=f"for a fleet of older CPUs: cpu = {{ baseline = \"{next(iter(CPU_BASELINES))}\" }}")
 
 
 def cpu_gemm_templates(options: dict[str, Any]) -> bool:
@@ -125,15 +147,17 @@ def cpu_gemm_templates(options: dict[str, Any]) -> bool:
 
 
 def inductor_options(target_options: dict[str, Any], pass_flags: dict[str, Any] | None = None, *,
-                     multi_arch: bool = False, device: str = "cpu") -> dict[str, Any]:
+                     multi_arch: bool = False, device: str = "cpu", cpu_baseline: str | None = None) -> dict[str, Any]:
     """The full per-compile option dict: profile, then the passes' flags, then the target's explicit
     keys, then the options aotbuild owns (weight-less packaging, multi-arch kernels, a portable
-    host-code baseline on CUDA). Unknown inductor keys are refused by name."""
+    host-code baseline on CUDA, a CPU target's `cpu_baseline`). Unknown inductor keys are refused
+    by name."""
     explicit = {k: v for k, v in target_options.items() if k != "profile"}
     check_inductor_keys(explicit, BuildError)
     profile = PROFILES[target_options.get("profile", "default")]
     owned = {**WEIGHTLESS_OPTIONS, **({MULTI_ARCH_OPTION: True} if multi_arch else {}),
-             **({MARCH_OPTION: PORTABLE_MARCH} if device == "cuda" else {})}
+             **({MARCH_OPTION: PORTABLE_MARCH} if device == "cuda" else {}),
+             **(CPU_BASELINES[cpu_baseline].options if cpu_baseline else {})}
     return {**profile, **(pass_flags or {}), **explicit, **owned}
 
 

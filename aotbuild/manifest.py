@@ -287,6 +287,10 @@ def _capability_hint(built: dict[str, Any]) -> str:
     return "rebuild on this GPU, or build with gpu = { ..., multi_arch = true } on an older one"
 
 
+CPU_HINT = ("rebuild it on this CPU (aotbuild build --target NAME --force), or build its target for the oldest "
+            "CPU it must run on: cpu = { baseline = \"x86-64-v3\" } (every AVX2 CPU)")
+
+
 def _isa_rank(isa: str) -> int:
     return CPU_ISA_ORDER.index(isa) if isa in CPU_ISA_ORDER else -1
 
@@ -333,11 +337,11 @@ def check_compatible(manifest: dict[str, Any], *, device: str | torch.device | N
         if _isa_rank(here["cpu_isa"]) < _isa_rank(built["cpu_isa"]) or (
             _isa_rank(built["cpu_isa"]) < 0 and here["cpu_isa"] != built["cpu_isa"]
         ):
-            raise IncompatibleArtifactError("cpu_isa", here["cpu_isa"], built["cpu_isa"])
+            raise IncompatibleArtifactError("cpu_isa", here["cpu_isa"], built["cpu_isa"], hint=CPU_HINT)
         missing = sorted(set(built.get("cpu_flags", [])) - set(here["cpu_flags"]))
         if missing:
             raise IncompatibleArtifactError("cpu_flags", f"a CPU without {', '.join(missing)}",
-                                            "built for a CPU with them")
+                                            "built for a CPU with them", hint=CPU_HINT)
     if dtype is not None and dtype != manifest["target"]["dtype"]:
         raise IncompatibleArtifactError("dtype", dtype, manifest["target"]["dtype"],
                                         hint=f"load it without dtype= (it runs {manifest['target']['dtype']}), or "

@@ -43,7 +43,6 @@ from typing import Any
 
 from .errors import AotbuildError
 from .media import mp4_bytes, png_bytes, video_fps
-from .private_apis import serve_http_port
 
 APP_NAME = "aotbuild"
 # Each request field and what it means; `images` is num_images_per_prompt.
@@ -885,7 +884,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     Run it with `ray.serve.run(app(...))`."""
     from ray import serve
 
-    from .cluster import forwarded_env, require_ray
+    from .cluster import forwarded_env, ray_log_level, require_ray
     from .openmp import spin_env
 
     require_ray()
@@ -906,7 +905,8 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
     if gpu_type:
         actor["accelerator_type"] = gpu_type
     # A replica holds the requests it may batch, and a few more queued behind them.
-    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": max(8, 2 * max_batch)}
+    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": max(8, 2 * max_batch),
+                               "logging_config": {"log_level": ray_log_level()}}
     if autoscale:
         # An image takes seconds: one request in flight per replica is the load to scale by, and a
         # queue that lasts UPSCALE_DELAY_S is worth a replica (Serve's default waits 30 s).
@@ -922,7 +922,7 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         batch_wait_s=batch_wait_s, dtype=dtype, health_details=health_details)
     # The front computes nothing: it reserves no CPU and takes every request the replicas may queue.
     front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
-                             max_ongoing_requests=1000)
+                             max_ongoing_requests=1000, logging_config=options["logging_config"])
     return front.bind(model, tuple(loras or ()), tuple(checkpoints or ()))
 
 
@@ -973,16 +973,17 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
 
     from ray import serve
 
-    from .cluster import ray_session
+    from .cluster import ray_log_level, ray_session
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    # Ctrl-C and SIGTERM stop the server, also where SIGINT came ignored (a background job's).
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
     with ray_session(address) as started_here:
-        serve.start(http_options={"host": host, "port": port})
+        # Ctrl-C and SIGTERM stop the server, also where SIGINT came ignored (a background job's); set
+        # after Ray starts, whose own SIGTERM handler would print a stack dump and end the process.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, interrupt)
+        serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": ray_log_level()})
         try:
             deploy(app(artifact, **options), APP_NAME, "/")
             listening = _serve_port(port)
@@ -997,14 +998,55 @@ def run_server(artifact: str, *, host: str, port: int, address: str | None, echo
         except KeyboardInterrupt:
             echo("stopping")
         finally:
-            serve.delete(APP_NAME)
-            if started_here:
-                serve.shutdown()
+            # A cluster started here stops with the session (its replicas with it), asking nothing
+            # of its processes, which a SIGTERM to the process group (a container stop) also ends.
+            if not started_here:
+                serve.delete(APP_NAME)
     echo("stopped")
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port another program listens on before Ray starts (seconds of start-up, then a
+    traceback from its proxy); Ray Serve's own, on a cluster this command joins, is taken as is."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # an address this machine lacks, say: Serve's proxy says so in its own words
+    try:
+        status, headers, _ = request(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/-/routes",
+                                     timeout=0.5)  # Serve's proxy answers in milliseconds
+        if status in (200, 503) and "x-request-id" in headers:
+            return  # Serve's proxy (503: no application yet): a cluster serving here, which the deployment joins
+    except (OSError, ValueError):
+        pass
+    free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bindable(host, p)), None)
+    raise AotbuildError(f"port {port} on {host} is in use by another program",
+                        hint=(f"give --port {free} (free now), or " if free else "give another --port, or ")
+                        + f"stop what listens on {port}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def _serve_port(asked: int) -> int:
     """The port Serve listens on: the first `serve.start` on a cluster fixes it for all."""
+    from .private_apis import serve_http_port
+
     try:
         return serve_http_port()
     except (ImportError, AttributeError, TypeError, ValueError):

@@ -24,7 +24,7 @@ from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, f
 
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
-    "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "dtype",
+    "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
@@ -91,6 +91,7 @@ class Target:
     revision: str | None = None
     seed: int = 0
     gpu: GpuSpec | None = None
+    cpu_baseline: str | None = None  # export.CPU_BASELINES: the CPUs its code runs on (None: the build machine's)
     dtype: str = "float32"
     guidance_scale: float = 5.0  # the guidance of the guided captures
     guidance: str = "both"  # GUIDANCE_MODES
@@ -122,6 +123,8 @@ class Target:
         data["tiling"] = list(self.tiling)
         if self.compile_mode == "whole":  # the default leaves the hashes of whole-model targets as they were
             del data["compile_mode"]
+        if self.cpu_baseline is None:  # likewise
+            del data["cpu_baseline"]
         return data
 
     @classmethod
@@ -130,6 +133,8 @@ class Target:
         raw = dict(data)
         tiling = set(raw.pop("tiling", ()))
         raw["compile"] = {"mode": raw.pop("compile_mode", "whole")}
+        if baseline := raw.pop("cpu_baseline", None):
+            raw["cpu"] = {"baseline": baseline}
         raw["components"] = {name: {"tiling": True} if name in tiling else {}
                              for name in raw.get("components", ())}
         raw = {k: v for k, v in raw.items() if v is not None}
@@ -260,6 +265,7 @@ def describe(path: Path) -> tuple[str, ...]:
                               for name, options in raw["components"].items())
         runtime = (["cuda_graphs"] * bool(raw.get("cuda_graphs")) + ["multi_arch"] * bool(raw.get("gpu", {}).get(
             "multi_arch")) + ["regional"] * (raw.get("compile", {}).get("mode") == "regional"))
+        runtime += [f"cpu={raw['cpu']['baseline']}"] if "cpu" in raw else []
         if raw.get("guidance", Target.guidance) != Target.guidance:
             runtime.append(f"guidance={raw['guidance']}")
         return (raw["name"], raw["device"], raw.get("dtype", Target.dtype), raw["pipeline"],
@@ -326,6 +332,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         gpu = GpuSpec(name=str(table["name"]), capability=capability, multi_arch=multi_arch)
     elif device == "cuda":
         raise TargetError(f"{origin}: device = \"cuda\" needs key 'gpu' = {{ name = ..., capability = ... }}")
+    cpu_baseline = _parse_cpu(origin, raw["cpu"], device) if "cpu" in raw else None
 
     components = _expect(origin, "components", raw["components"], dict, "a table of component names")
     if not components:
@@ -449,12 +456,26 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
         components=tuple(components), description=str(raw.get("description", "")),
-        revision=revision, seed=seed, gpu=gpu, dtype=dtype, guidance_scale=guidance, guidance=guidance_mode,
+        revision=revision, seed=seed, gpu=gpu, cpu_baseline=cpu_baseline, dtype=dtype, guidance_scale=guidance,
+        guidance=guidance_mode,
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
         base_dir=base_dir,
     )
+
+
+def _parse_cpu(origin: str, table: Any, device: str) -> str:
+    """cpu = { baseline = "x86-64-v3" }: the CPUs a CPU target's code runs on."""
+    from .export import CPU_BASELINES
+
+    if device != "cpu":
+        raise TargetError(f"{origin}: key 'cpu' is only allowed with device = \"cpu\" (a CUDA build's host code "
+                          f"targets a portable baseline already)")
+    _expect(origin, "cpu", table, dict, "a table { baseline = ... }")
+    if set(table) != {"baseline"}:
+        raise TargetError(f"{origin}: key 'cpu' takes baseline only, got {sorted(table)}")
+    return _choice(origin, "cpu.baseline", table["baseline"], tuple(CPU_BASELINES))
 
 
 def _parse_compile(origin: str, table: Any, spec: Any, components: dict[str, Any], optimize: dict[str, Any]) -> str:

@@ -77,7 +77,8 @@ PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-in
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",
-              "cpu-tiny-wan-i2v", "cpu-tiny-cogvideox", "cpu-tiny-wan", "cpu-tiny-wan-regional"))
+              "cpu-tiny-wan-i2v", "cpu-tiny-cogvideox", "cpu-tiny-wan", "cpu-tiny-wan-regional",
+              "cpu-tiny-sdxl-x86-64-v3"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

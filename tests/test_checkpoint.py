@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from aotbuild.backends import parse_lora
 from aotbuild.errors import AotbuildError, IncompatibleArtifactError
@@ -107,7 +108,7 @@ def test_a_config_key_is_compiled_unless_decided_otherwise():
 def test_parse_lora_and_the_per_call_scale(tmp_path, monkeypatch):
     ink = tmp_path / "styles" / "ink.safetensors"
     ink.parent.mkdir()
-    ink.write_bytes(b"")
+    save_file({"unet.down_blocks.0.attentions.0.to_q.lora_A.weight": torch.zeros(2, 8)}, ink)
     assert parse_lora(str(ink)) == (str(ink), 1.0)
     assert parse_lora(f"{ink}:0.6") == (str(ink), 0.6)
     assert parse_lora("org/lora-repo:1.5") == ("org/lora-repo", 1.5)  # a Hub id: diffusers resolves it
@@ -125,6 +126,30 @@ def test_parse_lora_and_the_per_call_scale(tmp_path, monkeypatch):
     assert kwargs == {"cross_attention_kwargs": None, "joint_attention_kwargs": {"other": 1}}
     kwargs = {"joint_attention_kwargs": {"scale": 0.2}}
     assert pop_scale(kwargs, traced=set()) == 0.2 and kwargs == {"joint_attention_kwargs": {}}  # Flux passes {}
+
+
+def test_a_file_that_is_not_a_lora_is_named_for_what_it_is(tmp_path):
+    """A UNet's weights, a picture or an empty file given as --lora: said in words before anything
+    loads, with what a LoRA file looks like; LoRAs of each naming pass."""
+    from PIL import Image
+
+    unet = tmp_path / "unet.safetensors"
+    save_file({"down_blocks.0.resnets.0.conv1.weight": torch.zeros(2, 2), "conv_in.weight": torch.zeros(2)}, unet)
+    Image.new("RGB", (32, 16)).save(tmp_path / "fox.png")
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    (tmp_path / "notes.safetensors").write_text("not tensors")
+    for name, words in (("unet.safetensors", "it holds a model's own weights (2 tensors such as 'conv_in.weight'), "
+                                             "not low-rank pairs; a fine-tuned checkpoint goes to --weights"),
+                        ("fox.png", "a PNG 32x16 image"), ("empty.safetensors", "an empty file"),
+                        ("notes.safetensors", "not a safetensors file (no safetensors header at its start)")):
+        with pytest.raises(AotbuildError) as raised:
+            parse_lora(str(tmp_path / name))
+        assert raised.value.message.startswith(f"--lora {tmp_path / name}: not a LoRA: {words}")
+        assert raised.value.hint.startswith("a LoRA is a .safetensors file of low-rank weight pairs")
+    for key in ("lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight", "transformer.x.lora_B.weight",
+                "lycoris_unet_x.hada_w1_a"):
+        save_file({key: torch.zeros(2, 2)}, tmp_path / "style.safetensors")
+        assert parse_lora(str(tmp_path / "style.safetensors")) == (str(tmp_path / "style.safetensors"), 1.0)
 
 
 def test_quantized_constants_are_made_with_the_recipes_scheme():
@@ -147,7 +172,8 @@ def test_the_runtime_imports_no_lora_or_build_code():
     code = ("import sys, aotbuild.runtime as r; [getattr(r, name) for name in r.__all__]; print(sorted(m for m in "
             "('peft', 'diffusers', 'torchao', 'aotbuild.builder', 'torch._dynamo') if m in sys.modules), "
             "'torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[] True\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout == "[] True\n"
 
 
 # The build side: what turns a target into an artifact. The runtime, and the spec layer both sides

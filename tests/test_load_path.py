@@ -213,6 +213,63 @@ def test_cuda_host_code_targets_a_portable_baseline():
         inductor_options({"cpp.march": "native"}, device="cuda")
 
 
+@pytest.fixture(scope="module")
+def baseline_target():
+    from aotbuild.targets import load_target
+
+    from .conftest import TARGETS
+
+    return load_target(TARGETS / "cpu-tiny-sdxl-x86-64-v3.toml")
+
+
+@pytest.fixture(scope="module")
+def built_baseline(tmp_path_factory, baseline_target):
+    from .conftest import build_once
+
+    return build_once(tmp_path_factory, baseline_target)
+
+
+# An x86-64-v3 server CPU (Haswell), as `manifest.environment` describes a machine.
+HASWELL_FLAGS = ["abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "popcnt", "sse", "sse2", "sse4_1",
+                 "sse4_2", "ssse3"]
+
+
+def test_a_cpu_baseline_build_runs_on_the_fleet_s_oldest_cpu_and_gives_eager_s_images(built_baseline, baseline_target,
+                                                                                     built):
+    """cpu = { baseline = "x86-64-v3" }: AVX2 code built on a newer CPU; the manifest says the
+    baseline, so loading accepts any CPU with its flags (a -march=native build is refused on one
+    where the build machine had more), and the images are eager's."""
+    from aotbuild.errors import IncompatibleArtifactError
+    from aotbuild.manifest import check_compatible, environment
+
+    manifest = read_manifest(built_baseline.folder)
+    env = manifest["environment"]
+    assert (env["cpu_baseline"], env["cpu_isa"], env["cpu_flags"]) == ("x86-64-v3", "AVX2", HASWELL_FLAGS)
+    haswell = {**environment("cpu"), "cpu_isa": "AVX2", "cpu_flags": HASWELL_FLAGS}
+    check_compatible(manifest, here=haswell)
+    native = read_manifest(built.folder)
+    if set(native["environment"]["cpu_flags"]) - set(HASWELL_FLAGS):  # this machine has more than Haswell
+        with pytest.raises(IncompatibleArtifactError, match="cpu_"):
+            check_compatible(native, here=haswell)
+    pipe = aotbuild.load_pipeline(built_baseline.folder)
+    eager = eager_pipeline(baseline_target)
+    bucket = ShapeBucket(1, 64, 64)
+    np.testing.assert_allclose(generate(pipe, bucket), generate(eager, bucket), atol=IMAGE_ATOL, rtol=0)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="reads the compiled code's instructions with objdump")
+def test_a_cpu_baseline_build_holds_no_instruction_above_it(built_baseline, tmp_path):
+    """The x86-64-v3 build's kernels use 256-bit registers (ymm) and no AVX-512 one (zmm)."""
+    import zipfile
+
+    with zipfile.ZipFile(built_baseline.folder / "unet.pt2") as package:
+        libraries = [name for name in package.namelist() if name.endswith(".so")]
+        package.extractall(tmp_path, libraries)
+    code = "".join(subprocess.run(["objdump", "-d", str(tmp_path / name)], capture_output=True, text=True,
+                                  check=True).stdout for name in libraries)
+    assert libraries and "%ymm" in code and "%zmm" not in code
+
+
 def test_private_dir_mode(tmp_path):
     from aotbuild.runtime.cache import private_dir
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from PIL import Image
+from safetensors.torch import save_file
 
 from aotbuild.cli import main
 from aotbuild.errors import AotbuildError, UntrustedCodeError
@@ -107,7 +109,7 @@ def test_serve_loras_are_named_and_found_before_anything_starts(tmp_path):
     from aotbuild.serve import parse_adapters
 
     lora = tmp_path / "ink.safetensors"
-    lora.write_bytes(b"")
+    save_file({"unet.down_blocks.0.attentions.0.to_q.lora_A.weight": torch.zeros(2, 8)}, lora)
     assert parse_adapters([f"ink={lora}:0.7", "oil=org/oil-lora"]) == {"ink": (str(lora), 0.7),
                                                                       "oil": ("org/oil-lora", 1.0)}
     for given, words in (([f"{lora}"], f"--lora '{lora}': give NAME=PATH-OR-HUB-ID[:WEIGHT]"),
@@ -149,6 +151,18 @@ def test_build_options_need_ray():
     result = CliRunner().invoke(main, ["build", "--target", "cpu-tiny-sd15", "--address", "127.0.0.1:6379"])
     assert result.exit_code == 1
     assert "--address and --cpus place builds on Ray: add --ray" in result.output
+
+
+def test_serve_on_a_port_another_program_holds_says_so_before_ray_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--artifact", str(tmp_path), "--port", str(port)])
+    assert result.exit_code == 1 and result.output.splitlines()[0] == (
+        f"error: port {port} on 127.0.0.1 is in use by another program")
+    assert re.fullmatch(rf"hint: give --port \d+ \(free now\), or stop what listens on {port}",
+                        result.output.splitlines()[1])
 
 
 def test_serve_refuses_a_folder_that_is_no_artifact(tmp_path):
@@ -295,7 +309,9 @@ def http_port(ray_cluster) -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Its controller and proxy log as `aotbuild serve` would have started them (WARNING): a cluster
+    # joined logs as its owner configured it, which the command leaves as it is.
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
     return port
 
 
@@ -884,7 +900,8 @@ def test_autoscaling_from_one_replica_to_two_serves_from_both(served, built):
 @pytest.mark.slow
 def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
     """`aotbuild serve` joins the session's Ray, prints its URL, serves, and on Ctrl-C removes its
-    application and exits 0."""
+    application and exits 0; Ray's INFO lines (start-up, Serve's controller, proxy and replicas)
+    are not passed through."""
     process = subprocess.Popen([sys.executable, "-m", "aotbuild.cli", "serve", "--artifact", str(built.folder),
                                 "--address", ray_cluster, "--port", str(http_port), "--cpus", "0.5"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -918,6 +935,7 @@ def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
         time.sleep(0.5)  # the reader's last lines
         rest = "".join(seen) + "".join(lines.queue)
         assert "stopping" in rest and "stopped" in rest, rest
+        assert [line for line in rest.splitlines() if " INFO " in line] == []  # Ray's own, shown under --debug
         assert "aotbuild" not in serve.status().applications  # removed; the session's Serve goes on
     finally:
         if process.poll() is None:

@@ -157,7 +157,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     device = torch.device(target.device)
     inductor_options = export.inductor_options(target.inductor, optimize.inductor_flags(target.optimize),
                                                multi_arch=bool(target.gpu and target.gpu.multi_arch),
-                                               device=target.device)
+                                               device=target.device, cpu_baseline=target.cpu_baseline)
 
     with stages("load", f"{target.pipeline} from {target.source}"):
         folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),

@@ -19,8 +19,12 @@ def permuted_inputs(components: dict[str, Any]) -> bool:
 def build_environment(target: Target, inductor_options: dict[str, Any]) -> dict[str, Any]:
     """This machine's fingerprint, plus what the build decided about its code: whether the kernels
     carry PTX for later GPUs (the compatibility check and the Hub variant name read it from here),
-    which CPU baseline the host code of a CUDA build targets, and the Triton that made the kernels."""
+    which CPU baseline the host code of a CUDA build targets, and the Triton that made the kernels;
+    a CPU build for a `cpu_baseline` records the baseline's ISA and flags, which loading checks."""
     env = environment(target.device)
+    if target.cpu_baseline:
+        baseline = export.CPU_BASELINES[target.cpu_baseline]
+        env.update(cpu_baseline=target.cpu_baseline, cpu_isa=baseline.isa, cpu_flags=list(baseline.flags))
     if target.gpu is not None:
         env["gpu_multi_arch"] = target.gpu.multi_arch
     if target.device == "cuda":
