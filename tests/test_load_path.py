@@ -214,19 +214,14 @@ def test_cuda_host_code_targets_a_portable_baseline():
 
 
 @pytest.fixture(scope="module")
-def baseline_target():
+def built_baseline(tmp_path_factory):
+    """cpu-tiny-sdxl-x86-64-v3: (its target, its build)."""
     from aotbuild.targets import load_target
 
-    from .conftest import TARGETS
+    from .conftest import TARGETS, build_once
 
-    return load_target(TARGETS / "cpu-tiny-sdxl-x86-64-v3.toml")
-
-
-@pytest.fixture(scope="module")
-def built_baseline(tmp_path_factory, baseline_target):
-    from .conftest import build_once
-
-    return build_once(tmp_path_factory, baseline_target)
+    target = load_target(TARGETS / "cpu-tiny-sdxl-x86-64-v3.toml")
+    return target, build_once(tmp_path_factory, target)
 
 
 # An x86-64-v3 server CPU (Haswell), as `manifest.environment` describes a machine.
@@ -234,15 +229,15 @@ HASWELL_FLAGS = ["abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "
                  "sse4_2", "ssse3"]
 
 
-def test_a_cpu_baseline_build_runs_on_the_fleet_s_oldest_cpu_and_gives_eager_s_images(built_baseline, baseline_target,
-                                                                                     built):
+def test_a_cpu_baseline_build_runs_on_the_fleet_s_oldest_cpu_and_gives_eager_s_images(built_baseline, built):
     """cpu = { baseline = "x86-64-v3" }: AVX2 code built on a newer CPU; the manifest says the
     baseline, so loading accepts any CPU with its flags (a -march=native build is refused on one
     where the build machine had more), and the images are eager's."""
     from aotbuild.errors import IncompatibleArtifactError
     from aotbuild.manifest import check_compatible, environment
 
-    manifest = read_manifest(built_baseline.folder)
+    target, baseline = built_baseline
+    manifest = read_manifest(baseline.folder)
     env = manifest["environment"]
     assert (env["cpu_baseline"], env["cpu_isa"], env["cpu_flags"]) == ("x86-64-v3", "AVX2", HASWELL_FLAGS)
     haswell = {**environment("cpu"), "cpu_isa": "AVX2", "cpu_flags": HASWELL_FLAGS}
@@ -251,8 +246,8 @@ def test_a_cpu_baseline_build_runs_on_the_fleet_s_oldest_cpu_and_gives_eager_s_i
     if set(native["environment"]["cpu_flags"]) - set(HASWELL_FLAGS):  # this machine has more than Haswell
         with pytest.raises(IncompatibleArtifactError, match="cpu_"):
             check_compatible(native, here=haswell)
-    pipe = aotbuild.load_pipeline(built_baseline.folder)
-    eager = eager_pipeline(baseline_target)
+    pipe = aotbuild.load_pipeline(baseline.folder)
+    eager = eager_pipeline(target)
     bucket = ShapeBucket(1, 64, 64)
     np.testing.assert_allclose(generate(pipe, bucket), generate(eager, bucket), atol=IMAGE_ATOL, rtol=0)
 
@@ -262,7 +257,7 @@ def test_a_cpu_baseline_build_holds_no_instruction_above_it(built_baseline, tmp_
     """The x86-64-v3 build's kernels use 256-bit registers (ymm) and no AVX-512 one (zmm)."""
     import zipfile
 
-    with zipfile.ZipFile(built_baseline.folder / "unet.pt2") as package:
+    with zipfile.ZipFile(built_baseline[1].folder / "unet.pt2") as package:
         libraries = [name for name in package.namelist() if name.endswith(".so")]
         package.extractall(tmp_path, libraries)
     code = "".join(subprocess.run(["objdump", "-d", str(tmp_path / name)], capture_output=True, text=True,
