@@ -27,6 +27,7 @@ from .pipelines import (
     per_prompt,
     requires_image,
 )
+from .runtime.artifacts import built_artifact
 from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
@@ -43,16 +44,6 @@ def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
             "batch": first["batch"], "guidance_scale": guidance, "frames": first.get("frames"),
             "text": first.get("max_sequence_length")}
-
-
-def built_artifact(target: Target, artifacts_dir: Path) -> Path:
-    """The target's artifact folder; an error saying how to build it when there is none."""
-    from .manifest import MANIFEST_NAME
-
-    folder = artifacts_dir / target.name
-    if not (folder / MANIFEST_NAME).is_file():
-        raise AotbuildError(f"no artifact at {folder}", hint=f"build it first: aotbuild build --target {target.name}")
-    return folder
 
 
 LORA_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -188,7 +179,7 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
         # An artifact names a local source by its name only: the target knows where it is.
         source = None if is_random(target.source) or weights is not None else local_folder(target.source,
                                                                                             target.base_dir)
-        pipe = load_pipeline(built_artifact(target, artifacts_dir), cuda_graphs=cuda_graphs, source=source,
+        pipe = load_pipeline(built_artifact(target.name, artifacts_dir), cuda_graphs=cuda_graphs, source=source,
                              weights=weights, dtype=dtype)
         load_loras(pipe, list(loras))
     elif backend in ("eager", "compile"):

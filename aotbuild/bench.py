@@ -174,8 +174,8 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     Raises:
         AotbuildError: unknown case, missing artifact, or a worker failure (with its stderr).
     """
-    from .backends import built_artifact
     from .manifest import environment
+    from .runtime.artifacts import built_artifact
     from .sources import is_random
     from .targets import load_target
 
@@ -219,7 +219,7 @@ def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps:
     # The document goes with the target's own artifact, or with the only one the cases run.
     ran = {t.name: t for t in (_case_target(case, target_path) for case in cases)}
     documented = target if target.name in ran else next(iter(ran.values()))
-    folder = built_artifact(documented, artifacts_dir)
+    folder = built_artifact(documented.name, artifacts_dir)
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     meta = {"target": documented.name, "steps": steps, "steady_runs": steady, "repeats": repeats, "repeats_done": 0,
             "openmp_wait": spin_setting(), "skipped": skipped, "source": target.source,

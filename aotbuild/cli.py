@@ -251,6 +251,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         from .targets import load_target, stride_of, target_file
 
         path = target_file(target_name)
+        _say_where((target_name,), artifacts)
         stride = stride_of(path) or load_target(path).stride
         for name, value in (("--height", height), ("--width", width)):
             if value is not None and value % stride:
@@ -258,6 +259,10 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                 nearest = " or ".join(str(v) for v in (below, below + stride) if v > 0)
                 raise ArgumentError(f"{name} {value} px is not a multiple of {stride}, the pixel stride of "
                                     f"{path.stem}'s model", hint=f"give {name} {nearest}")
+        if backend == "aot":
+            from .runtime.artifacts import built_artifact
+
+            built_artifact(path.stem, artifacts)  # a target never built
     from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
     from .runtime.load import UncuratedPipelineWarning
 
@@ -271,7 +276,6 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         _check_made(recorded, frames, output)  # its manifest says what it makes
     else:
         target = load_target(path)
-        _say_where((target_name,), artifacts)
         recorded = target.to_dict()
         _check_made(recorded, frames, output)  # before the load: the target says what it makes
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,

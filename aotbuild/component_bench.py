@@ -125,12 +125,12 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             without aot, or a target to compare against that is another pipeline or lacks the
             component.
     """
-    from .backends import built_artifact
     from .bench import rss_mib, write_document
     from .builder.capturing import free_memory
     from .builder.validate import output_errors
     from .manifest import environment, read_manifest
     from .pipelines import pipeline_spec
+    from .runtime.artifacts import built_artifact
     from .targets import load_target
 
     say = progress or (lambda message: None)
@@ -152,7 +152,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         if other.pipeline != target.pipeline or component not in other.components or other.name == target.name:
             raise AotbuildError(f"--against {other.name}: compared with {target.name}'s {component}, it must be "
                                 f"another target of {target.pipeline} that compiles {component}")
-    folder = built_artifact(target, artifacts_dir)
+    folder = built_artifact(target.name, artifacts_dir)
     others = {f"aot:{other.name}": built_artifact(other, artifacts_dir) for other in compared}
     spec = pipeline_spec(target.pipeline).component(component)
     cases = tuple(c for c in COMPONENT_CASES if c in cases)

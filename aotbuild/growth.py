@@ -46,10 +46,10 @@ def measure_growth(targets: list[str], artifacts_dir: Path, component: str) -> d
         AotbuildError: fewer than two targets, a target not built, or one that does not compile
             the component.
     """
-    from .backends import built_artifact
     from .bench import write_document
     from .component_bench import component_bench_name
     from .manifest import read_manifest
+    from .runtime.artifacts import built_artifact
     from .targets import load_target
 
     if len(targets) < 2:
@@ -57,7 +57,7 @@ def measure_growth(targets: list[str], artifacts_dir: Path, component: str) -> d
     builds, calls = [], []
     for name in targets:
         target = load_target(name)
-        folder = built_artifact(target, artifacts_dir)
+        folder = built_artifact(target.name, artifacts_dir)
         manifest = read_manifest(folder)
         if component not in manifest["components"]:
             raise AotbuildError(f"{target.name} compiles {', '.join(manifest['components'])}; not {component!r}")

@@ -1078,10 +1078,11 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
     """
     from ray import serve
 
-    from .backends import BACKENDS, built_artifact, call_defaults
+    from .backends import BACKENDS, call_defaults
     from .bench import drop_page_cache, report, write_document
     from .cluster import ray_session
     from .manifest import environment
+    from .runtime.artifacts import built_artifact
     from .targets import load_target
 
     if unknown := [c for c in cases if c not in BACKENDS]:
@@ -1089,7 +1090,7 @@ def bench_replicas(target_path: str, artifacts_dir: Path, *, cases: tuple[str, .
     target = load_target(target_path)
     target_path = str(target.base_dir / f"{target.name}.toml")
     artifacts_dir = Path(artifacts_dir).resolve()
-    folder = built_artifact(target, artifacts_dir)
+    folder = built_artifact(target.name, artifacts_dir)
     defaults = call_defaults(target.to_dict())
     call = {"prompt": "a photo of a red fox in the snow", "steps": steps, "seed": 0, "height": defaults["height"],
             "width": defaults["width"], "images": defaults["batch"], "output": "json"}

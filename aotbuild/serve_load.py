@@ -149,16 +149,17 @@ def bench_load(target_path: str, artifacts_dir: Any, *, clients: int = 4, reques
 
     from ray import serve
 
-    from .backends import built_artifact, call_defaults
+    from .backends import call_defaults
     from .bench import write_document
     from .cluster import ray_session
     from .manifest import environment
+    from .runtime.artifacts import built_artifact
     from .serve import app, deploy, request
     from .targets import load_target
 
     say = progress or (lambda message: None)
     target = load_target(target_path)
-    folder = built_artifact(target, Path(artifacts_dir).resolve())
+    folder = built_artifact(target.name, Path(artifacts_dir).resolve())
     defaults = call_defaults(target.to_dict())
     body = {"prompt": "a photo of a red fox in the snow", "steps": steps, "height": defaults["height"],
             "width": defaults["width"], "images": 1}

@@ -207,6 +207,8 @@ ANSWERED_AT_ONCE = [
     (["run", "--target", "cpu-tiny-sdxl", "--prompt", "x", "--height", "63"], 2,
      "error: --height 63 px is not a multiple of 4, the pixel stride of cpu-tiny-sdxl's model",
      "hint: give --height 60 or 64"),
+    (["run", "--target", "cpu-tiny-sdxl", "--prompt", "x", "--artifacts", "nowhere"], 1,
+     "error: no artifact at nowhere/cpu-tiny-sdxl", "hint: build it first: aotbuild build --target cpu-tiny-sdxl"),
     (["bench", "--target", "cpu-tiny-sdx"], 2, "error: no target named 'cpu-tiny-sdx' in ", "hint: did you mean "),
     (["push", "--target", "cpu-tiny-sdx", "--repo", "org/name"], 2, "error: no target named ", "hint: did you mean "),
     (["inspect", "nowhere"], 1, "error: no artifact at nowhere: no such folder", "hint: give an artifact's folder"),

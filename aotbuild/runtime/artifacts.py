@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArtifactError
+from ..errors import AotbuildError, ArtifactError
 
 
 def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
@@ -35,3 +35,14 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
             f"it first)" if hub_like else
             "give an artifact's folder: artifacts/NAME after `aotbuild build --target NAME`, or hf://org/name"))
     return folder, None
+
+
+def built_artifact(name: str, artifacts_dir: Path) -> Path:
+    """The artifact folder of the target `name` in `artifacts_dir`; an error saying how to build it
+    when there is none (read before anything is imported or loaded)."""
+    from ..manifest import MANIFEST_NAME
+
+    folder = artifacts_dir / name
+    if not (folder / MANIFEST_NAME).is_file():
+        raise AotbuildError(f"no artifact at {folder}", hint=f"build it first: aotbuild build --target {name}")
+    return folder
