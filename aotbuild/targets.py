@@ -289,13 +289,13 @@ def _choice(origin: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     """Validate raw TOML data into a Target; every error names `origin` and the offending key."""
-    from .export import PROFILES, check_inductor_keys, cpu_gemm_templates, supports_multi_arch
-    from .optimize import validate_optimize  # the pass registry validates its own keys
     from .sources import max_pixels, pixel_stride
 
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
-        raise TargetError(f"{origin}: unknown key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+        close = difflib.get_close_matches(unknown[0], TOP_LEVEL_KEYS, n=1, cutoff=0.6)
+        raise TargetError(f"{origin}: unknown key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}",
+                          hint=f"did you mean {close[0]!r}?" if close else None)
     for key in REQUIRED_KEYS:
         if key not in raw:
             raise TargetError(f"{origin}: missing required key {key!r}")
@@ -324,6 +324,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         if not re.fullmatch(r"\d+\.\d+", capability):
             raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
         multi_arch = _expect(origin, "gpu.multi_arch", table.get("multi_arch", False), bool, "true or false")
+        from .export import supports_multi_arch
+
         if multi_arch and not supports_multi_arch():
             import torch
 
@@ -430,6 +432,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     for axis in ("height", "width"):
         if dynamic:
             _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
+
+    # The keys below are checked against torch's inductor and the pass registry (torch imported);
+    # those above need no torch, and diffusers only for a class aotbuild has no entry for, or for
+    # whether it makes videos (`makes_video`).
+    from .export import PROFILES, check_inductor_keys, cpu_gemm_templates
+    from .optimize import validate_optimize  # the pass registry validates its own keys
 
     optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
     validate_optimize(optimize, origin=origin, device=device, gpu=gpu)

@@ -209,6 +209,8 @@ ANSWERED_AT_ONCE = [
      "hint: give --height 60 or 64"),
     (["run", "--target", "cpu-tiny-sdxl", "--prompt", "x", "--artifacts", "nowhere"], 1,
      "error: no artifact at nowhere/cpu-tiny-sdxl", "hint: build it first: aotbuild build --target cpu-tiny-sdxl"),
+    (["build", "--target", "{tmp}/t.toml"], 2, "error: {tmp}/t.toml: unknown key 'dtyp'; allowed: name, ",
+     "hint: did you mean 'dtype'?"),
     (["bench", "--target", "cpu-tiny-sdx"], 2, "error: no target named 'cpu-tiny-sdx' in ", "hint: did you mean "),
     (["push", "--target", "cpu-tiny-sdx", "--repo", "org/name"], 2, "error: no target named ", "hint: did you mean "),
     (["inspect", "nowhere"], 1, "error: no artifact at nowhere: no such folder", "hint: give an artifact's folder"),
@@ -218,9 +220,25 @@ ANSWERED_AT_ONCE = [
 ]
 
 
+MISSPELLED = """name = "t"
+pipeline = "StableDiffusionXLPipeline"
+source = "random:tiny-sdxl"
+device = "cpu"
+dtyp = "float32"
+[[shapes]]
+batch = 1
+height = 64
+width = 64
+[components]
+unet = {}
+"""
+
+
 @pytest.mark.parametrize(("args", "code", "error", "hint"), ANSWERED_AT_ONCE, ids=lambda v: " ".join(v)
                          if isinstance(v, list) else None)
 def test_what_the_arguments_decide_is_said_without_importing_torch(args, code, error, hint, tmp_path):
+    (tmp_path / "t.toml").write_text(MISSPELLED)
+    args, error = [arg.replace("{tmp}", str(tmp_path)) for arg in args], error and error.replace("{tmp}", str(tmp_path))
     probe = ("import atexit, sys\n"
              "atexit.register(lambda: print('torch imported' * ('torch' in sys.modules), file=sys.stderr))\n"
              "from aotbuild.cli import main\nmain(sys.argv[1:], prog_name='aotbuild')")
