@@ -154,6 +154,9 @@ class PipelineSpec:
     # The call edits an image whose tokens join the denoiser's sequence (Flux Kontext): a bucket's
     # `image` size is a shape, and the capture passes such an image unresized.
     edits: bool = False
+    # The call makes videos: it takes `num_frames` (every curated pipeline makes images; a derived
+    # spec reads it from the class, as a test does for the curated ones).
+    makes_video: bool = False
 
     def call_extras(self, batch: int, height: int, width: int,
                     images: Sequence[tuple[int, int]] | None = None) -> dict[str, Any] | None:
@@ -406,7 +409,8 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
         class_name=class_name, components=components,
         pixel_stride=functools.partial(_lcm_stride, stride, multiple),
         default_stride=math.lcm(64 if attribute == "unet" else 16, multiple), default_pixels=None,
-        prompt_embeds=None, curated=False, capture_extras=_image_extras if requires_image(cls) else None)
+        prompt_embeds=None, curated=False, capture_extras=_image_extras if requires_image(cls) else None,
+        makes_video=FRAMES in inspect.signature(cls.__call__).parameters)  # Wan's, CogVideoX's, LTX's
 
 
 def call_multiple(cls: type) -> int:
@@ -580,14 +584,6 @@ def default_text_length(class_name: str) -> int | None:
 
     parameter = inspect.signature(getattr(diffusers, class_name).__call__).parameters.get(TEXT)
     return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
-
-
-def makes_video(class_name: str) -> bool:
-    """Whether a pipeline class makes videos: its call takes `num_frames` (Wan's defaults to 81,
-    CogVideoX's to its transformer's sample frames)."""
-    import diffusers
-
-    return FRAMES in inspect.signature(getattr(diffusers, class_name).__call__).parameters
 
 
 def frames_step(pipe: Any) -> int:

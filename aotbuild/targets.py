@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import SourceError, TargetError
 from .manifest import DTYPE_NAMES as DTYPES
-from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, makes_video, pipeline_spec
+from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, pipeline_spec
 
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
@@ -378,7 +378,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
-    video = makes_video(spec.class_name)
+    video = spec.makes_video
     shapes: list[ShapeBucket] = []
     for i, table in enumerate(shapes_raw):
         where = f"shapes[{i}]"
@@ -434,8 +434,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
 
     # The keys below are checked against torch's inductor and the pass registry (torch imported);
-    # those above need no torch, and diffusers only for a class aotbuild has no entry for, or for
-    # whether it makes videos (`makes_video`).
+    # those above need no torch, and diffusers only for a class aotbuild has no entry for (or a
+    # text length, `_check_takes_text`).
     from .export import PROFILES, check_inductor_keys, cpu_gemm_templates
     from .optimize import validate_optimize  # the pass registry validates its own keys
 

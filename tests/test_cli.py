@@ -211,6 +211,8 @@ ANSWERED_AT_ONCE = [
      "error: no artifact at nowhere/cpu-tiny-sdxl", "hint: build it first: aotbuild build --target cpu-tiny-sdxl"),
     (["build", "--target", "{tmp}/t.toml"], 2, "error: {tmp}/t.toml: unknown key 'dtyp'; allowed: name, ",
      "hint: did you mean 'dtype'?"),
+    (["build", "--target", "{tmp}/h.toml"], 2,
+     "error: {tmp}/h.toml: key 'shapes[0].height' = 63 is not a multiple of 4, the pixel stride", None),
     (["bench", "--target", "cpu-tiny-sdx"], 2, "error: no target named 'cpu-tiny-sdx' in ", "hint: did you mean "),
     (["push", "--target", "cpu-tiny-sdx", "--repo", "org/name"], 2, "error: no target named ", "hint: did you mean "),
     (["inspect", "nowhere"], 1, "error: no artifact at nowhere: no such folder", "hint: give an artifact's folder"),
@@ -238,6 +240,9 @@ unet = {}
                          if isinstance(v, list) else None)
 def test_what_the_arguments_decide_is_said_without_importing_torch(args, code, error, hint, tmp_path):
     (tmp_path / "t.toml").write_text(MISSPELLED)
+    (tmp_path / "h.toml").write_text(MISSPELLED.replace('"t"', '"h"').replace("dtyp", "dtype").replace("64", "63", 1))
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-sdxl").symlink_to(TARGETS / "configs" / "tiny-sdxl")
     args, error = [arg.replace("{tmp}", str(tmp_path)) for arg in args], error and error.replace("{tmp}", str(tmp_path))
     probe = ("import atexit, sys\n"
              "atexit.register(lambda: print('torch imported' * ('torch' in sys.modules), file=sys.stderr))\n"
@@ -248,7 +253,7 @@ def test_what_the_arguments_decide_is_said_without_importing_torch(args, code, e
     assert result.returncode == code and "torch imported" not in lines and "Traceback" not in result.stderr, \
         result.stderr
     if error:
-        assert lines[0].startswith(error) and lines[1].startswith(hint), lines
+        assert lines[0].startswith(error) and (hint is None or lines[1].startswith(hint)), lines
 
 
 def test_inspect_reads_a_manifest_without_importing_torch(built):

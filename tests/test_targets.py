@@ -314,6 +314,20 @@ def test_cli_targets_lists_files_as_written_and_check_says_which_are_invalid(tmp
     assert f"error: {tmp_path / 'wrong.toml'}: key 'shapes[0].height' = 63 is not a multiple of 4" in result.stderr
 
 
+def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
+    """A curated entry says whether its pipeline makes videos without importing diffusers (a target
+    is read at once); the class's own call says the same, and a derived spec reads it there."""
+    import inspect
+
+    import diffusers
+
+    from aotbuild.pipelines import FRAMES, PIPELINES, derived_spec
+
+    for name, spec in PIPELINES.items():
+        assert spec.makes_video == (FRAMES in inspect.signature(getattr(diffusers, name).__call__).parameters), name
+    assert derived_spec("WanPipeline").makes_video and not derived_spec("PixArtSigmaPipeline").makes_video
+
+
 def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):
     from aotbuild.export import MULTI_ARCH_OPTION, inductor_options
 
