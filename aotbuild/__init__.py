@@ -15,6 +15,7 @@ from .errors import (
     CorruptArtifactError,
     HubError,
     IncompatibleArtifactError,
+    LossyInputError,
     MissingAttributeError,
     NoMatchingVariantError,
     NumericsError,
@@ -43,8 +44,9 @@ _LAZY = {
 
 __all__ = [
     "AotbuildError", "ArtifactError", "BuildError", "CorruptArtifactError", "HubError", "IncompatibleArtifactError",
-    "MissingAttributeError", "NoMatchingVariantError", "NumericsError", "PrecisionError", "ShapeNotSupportedError",
-    "SourceError", "TargetError", "UnsupportedCallError", "UntrustedCodeError", "WeightsMismatchError", *_LAZY,
+    "LossyInputError", "MissingAttributeError", "NoMatchingVariantError", "NumericsError", "PrecisionError",
+    "ShapeNotSupportedError", "SourceError", "TargetError", "UnsupportedCallError", "UntrustedCodeError",
+    "WeightsMismatchError", *_LAZY,
     "__version__",
 ]
 

@@ -92,6 +92,11 @@ class UnsupportedCallError(AotbuildError):
     before anything changes."""
 
 
+class LossyInputError(AotbuildError):
+    """A call's input would change value on its way to the compiled model's dtype (a fractional
+    timestep into a model compiled for int64 ones): refused, never rounded."""
+
+
 class MissingAttributeError(AotbuildError, AttributeError):
     """An attribute the eager module has and aotbuild's stand-in does not keep. An AttributeError
     too, so `hasattr` and `getattr(..., default)` in diffusers keep working."""

@@ -303,7 +303,7 @@ def test_a_unet_captured_with_integer_timesteps_takes_every_schedulers(tmp_path_
     fractional Karras timesteps and DPM-Solver's reach it unchanged, as eager takes them."""
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
 
-    from aotbuild.runtime.variant import LossyInputError
+    from aotbuild.errors import LossyInputError
 
     target = load_target(TARGETS / "cpu-tiny-sd15-pndm.toml")
     built = build_once(tmp_path_factory, target)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AotbuildError, CorruptArtifactError
+from ..errors import CorruptArtifactError, LossyInputError
 from ..private_apis import aoti_runner, pytree
 from ..shapes import failed_guard, infer_size, relations_hold, solve, uncheckable_guard
 from .cache import extracted_package
@@ -161,10 +161,6 @@ def tf32(enabled: bool) -> Iterator[None]:
                 _set_tf32(latest, latest)
             else:
                 _set_tf32(*_TF32_BEFORE.pop())
-
-
-class LossyInputError(AotbuildError):
-    """A call's input would change value on its way to the compiled model's dtype."""
 
 
 class CompiledVariant:
