@@ -64,8 +64,7 @@ class CompiledAutoencoderBase(StandIn):
         self._eager_shapes: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]] | None = None
         # FLUX.2's latent BatchNorm, read by its pipeline: the first part's bound tensors (loads
         # write them in place, so it follows every checkpoint the parts take).
-        kept = {fqn.removeprefix("bn."): tensor for fqn, tensor in self._first._weights.items()
-                if fqn.startswith("bn.")}
+        kept = self._first.bound_tensors("bn.")
         if kept:
             self.bn = LatentStatistics(kept)
 
@@ -98,29 +97,29 @@ class CompiledAutoencoderBase(StandIn):
         return self.parts.get("decoder", self._first).last_variant
 
     @property
-    def _also_dtypes(self) -> frozenset[torch.dtype]:
-        return self._first._also_dtypes
+    def also_dtypes(self) -> frozenset[torch.dtype]:
+        return self._first.also_dtypes
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The eager VAE's parameters (see `CompiledComponent.named_parameters`): each from the
         compiled part that holds it, on the meta device for a part the artifact does not compile."""
-        for name, meta in self._eager_names()[0].items():
+        for name, meta in self.eager_names()[0].items():
             part = self._holder(name)
-            yield (f"{prefix}.{name}" if prefix else name), part._parameter(name) if part is not None else \
+            yield (f"{prefix}.{name}" if prefix else name), part.parameter(name) if part is not None else \
                 torch.nn.Parameter(meta, requires_grad=False)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, meta in self._eager_names()[1].items():
+        for name, meta in self.eager_names()[1].items():
             part = self._holder(name)
-            yield (f"{prefix}.{name}" if prefix else name), part._eager_tensor(name)[0] if part is not None else meta
+            yield (f"{prefix}.{name}" if prefix else name), part.eager_tensor(name)[0] if part is not None else meta
 
     def state_dict(self, *args: Any, destination: dict | None = None, prefix: str = "",
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The eager VAE's state dict over the parts' bound weights (meta where no part is compiled)."""
         destination = collections.OrderedDict() if destination is None else destination
-        persistent = self._eager_names()[2]
+        persistent = self.eager_names()[2]
         for name, tensor in self.named_parameters():
             destination[prefix + name] = tensor if keep_vars else tensor.detach()
         for name, tensor in self.named_buffers():
@@ -128,7 +127,7 @@ class CompiledAutoencoderBase(StandIn):
                 destination[prefix + name] = tensor.detach()
         return destination
 
-    def _eager_names(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+    def eager_names(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
         """The eager VAE's parameters and buffers by name, on the meta device, and its persistent
         buffers; made once."""
         if self._eager_shapes is None:
@@ -142,7 +141,7 @@ class CompiledAutoencoderBase(StandIn):
     def _holder(self, name: str) -> CompiledComponent | None:
         """The compiled part whose module holds the eager VAE's tensor `name`, if any."""
         return next((part for part in self.parts.values()
-                     if name in part._eager_names()[0] or name in part._eager_names()[1]), None)
+                     if name in part.eager_names()[0] or name in part.eager_names()[1]), None)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
                         assign: bool = False) -> Any:
@@ -152,11 +151,11 @@ class CompiledAutoencoderBase(StandIn):
         from .lora import meta_model
 
         eager = module_tensors(meta_model(self.config, torch.float32))
-        with self._first._lock:
+        with self._first.lock:
             missing, unexpected = key_differences("vae", state_dict, eager, strict)
-            planned = [(part, part._planned_writes(state_dict)) for part in self.parts.values()]
+            planned = [(part, part.planned_writes(state_dict)) for part in self.parts.values()]
             for part, writes in planned:
-                part._write(writes, state_dict)
+                part.write_planned(writes, state_dict)
         return IncompatibleKeys(missing, unexpected)
 
     def enable_slicing(self) -> None:

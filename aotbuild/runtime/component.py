@@ -68,7 +68,7 @@ class CompiledComponent(StandIn):
         self._dtype = DTYPES[entry["dtype"]]
         # A VAE compiled in float32 inside a half-precision artifact: diffusers upcasts it itself.
         upcast = entry["dtype"] == "float32" and entry.get("config", {}).get("force_upcast")
-        self._also_dtypes = frozenset({DTYPES[entry["target_dtype"]]} if upcast and "target_dtype" in entry else ())
+        self.also_dtypes = frozenset({DTYPES[entry["target_dtype"]]} if upcast and "target_dtype" in entry else ())
         self._recipe = entry.get("quantize")  # the quant recipe of its weights, if any
         self._unread = frozenset(entry.get("unread", ()))  # weights no compiled code binds (dead, or fused)
         self._device = context.device
@@ -122,22 +122,22 @@ class CompiledComponent(StandIn):
         the meta device (it holds no values here). In-place edits reach the next call (a copy's
         are written back through the recorded passes), and a parameter whose `.data` is replaced
         is bound, or written, anew before it. Lifted constants (rotary tables) are none of them."""
-        for name in self._eager_names()[0]:
-            yield (f"{prefix}.{name}" if prefix else name), self._parameter(name)
+        for name in self.eager_names()[0]:
+            yield (f"{prefix}.{name}" if prefix else name), self.parameter(name)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The eager model's buffers: the bound tensor where the code binds one of that name, else
         on the meta device (a table the model computes, compiled in as a constant)."""
-        for name in self._eager_names()[1]:
-            yield (f"{prefix}.{name}" if prefix else name), self._eager_tensor(name)[0]
+        for name in self.eager_names()[1]:
+            yield (f"{prefix}.{name}" if prefix else name), self.eager_tensor(name)[0]
 
     def get_parameter(self, target: str) -> torch.nn.Parameter:
-        if target not in self._eager_names()[0]:
+        if target not in self.eager_names()[0]:
             raise AttributeError(f"{self.component_name} has no parameter {target!r}")
-        return self._parameter(target)
+        return self.parameter(target)
 
-    def _eager_names(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+    def eager_names(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
         """The eager model's parameters and buffers by name, on the meta device, and the buffers
         its state dict holds (the persistent ones); made once."""
         if self._eager_shapes is None:
@@ -149,10 +149,10 @@ class CompiledComponent(StandIn):
             self._eager_shapes = params, buffers, set(buffers) & set(model.state_dict(keep_vars=True))
         return self._eager_shapes
 
-    def _eager_tensor(self, name: str) -> tuple[torch.Tensor, bool]:
+    def eager_tensor(self, name: str) -> tuple[torch.Tensor, bool]:
         """An eager parameter or buffer made of the bound weights (see `named_parameters`), and
         whether it is a copy of them rather than their memory."""
-        params, buffers, _ = self._eager_names()
+        params, buffers, _ = self.eager_names()
         meta = params.get(name, buffers.get(name))
         fqn, rows = placement(name, {**params, **buffers}, self._weights)
         if fqn is None:
@@ -164,11 +164,11 @@ class CompiledComponent(StandIn):
             return scheme.dequantize(bound[rows], scale[rows], self._dtype), True
         return (bound if rows == slice(0, None) else bound[rows]), False
 
-    def _parameter(self, name: str) -> torch.nn.Parameter:
+    def parameter(self, name: str) -> torch.nn.Parameter:
         self._weights_seen = True
         param = self._parameters_out.get(name)
         if param is None:
-            tensor, copied = self._eager_tensor(name)
+            tensor, copied = self.eager_tensor(name)
             param = self._parameters_out[name] = torch.nn.Parameter(tensor, requires_grad=False)
             self._handed[name] = (tensor, param._version, copied)
         return param
@@ -179,12 +179,12 @@ class CompiledComponent(StandIn):
         weights as `named_parameters` gives them: `load_state_dict` takes it back."""
         self._weights_seen = True
         destination = collections.OrderedDict() if destination is None else destination
-        params, buffers, persistent = self._eager_names()
+        params, buffers, persistent = self.eager_names()
         for name in params:
-            destination[prefix + name] = self._parameter(name) if keep_vars else self._parameter(name).detach()
+            destination[prefix + name] = self.parameter(name) if keep_vars else self.parameter(name).detach()
         for name in buffers:
             if name in persistent:
-                destination[prefix + name] = self._eager_tensor(name)[0].detach()
+                destination[prefix + name] = self.eager_tensor(name)[0].detach()
         return destination
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
@@ -201,7 +201,7 @@ class CompiledComponent(StandIn):
         eager = self.eager_tensors()
         with self._lock:
             missing, unexpected = key_differences(self.component_name, state_dict, eager, strict)
-            self._write(self._planned_writes(state_dict, eager), state_dict)
+            self.write_planned(self.planned_writes(state_dict, eager), state_dict)
         return IncompatibleKeys(missing, unexpected)
 
     def eager_tensors(self) -> dict[str, torch.Tensor]:
@@ -210,7 +210,17 @@ class CompiledComponent(StandIn):
 
         return module_tensors(self._spec.export_module(meta_model(self.config, torch.float32)))
 
-    def _planned_writes(self, state_dict: Mapping[str, torch.Tensor],
+    @property
+    def lock(self) -> Any:
+        """The lock of this load: held while weights are written, LoRAs merged, or a call runs."""
+        return self._lock
+
+    def bound_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The bound weights whose names start with `prefix`, by name without it (a load writes them in
+        place, so they follow every checkpoint the component takes)."""
+        return {fqn.removeprefix(prefix): tensor for fqn, tensor in self._weights.items() if fqn.startswith(prefix)}
+
+    def planned_writes(self, state_dict: Mapping[str, torch.Tensor],
                         eager: dict[str, torch.Tensor] | None = None) -> list[tuple[str, slice, torch.Tensor]]:
         """Where the state dict's tensors go in the bound weights (`checkpoint.placed_writes`)."""
         eager = self.eager_tensors() if eager is None else eager
@@ -218,7 +228,8 @@ class CompiledComponent(StandIn):
         return placed_writes(self.component_name, given, eager, self._weights, self._dtype, self._recipe,
                              self._unread)
 
-    def _write(self, writes: list[tuple[str, slice, torch.Tensor]], state_dict: Mapping[str, torch.Tensor]) -> None:
+    def write_planned(self, writes: list[tuple[str, slice, torch.Tensor]],
+                      state_dict: Mapping[str, torch.Tensor]) -> None:
         """Write planned values into the bound weights (the caller holds the lock); the LoRA merges
         are made again from them before the next call, and the eager fallback gets them too."""
         with torch.no_grad():
@@ -259,7 +270,7 @@ class CompiledComponent(StandIn):
                     self._lora.rebase()
                 copied = False  # the parameter is the bound memory again
             else:  # rows of a fused projection, an int8 weight: its values written through the passes
-                self._write(self._planned_writes({name: param.data}), {name: param.data})
+                self.write_planned(self.planned_writes({name: param.data}), {name: param.data})
                 copied = True  # the parameter's memory is the caller's: later edits are written back too
             self._handed[name] = (param.data, param._version, copied)
 

@@ -95,9 +95,9 @@ class StandIn(torch.nn.Module):
     """What every compiled stand-in (a component, the VAE) does with nn.Module's own entry points:
     `.to()` and the like can only confirm the dtype and device it runs; training, `apply(fn)` and
     `compile()` are refused. Subclasses give `component_name`, `dtype`, `device` and
-    `_also_dtypes` (dtypes `.to()` may ask for that change nothing, see `check_move`)."""
+    `also_dtypes` (dtypes `.to()` may ask for that change nothing, see `check_move`)."""
 
-    _also_dtypes: frozenset[torch.dtype] = frozenset()
+    also_dtypes: frozenset[torch.dtype] = frozenset()
     apply = refused_method("apply")
     compile = refused_method("compile")
 
@@ -108,7 +108,7 @@ class StandIn(torch.nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> StandIn:
         """`.to()`, `.half()`, `.cuda()`: the compiled code runs where it was loaded, in its dtype;
         asking for exactly that changes nothing, asking for another is refused."""
-        check_move(self.component_name, fn, self.dtype, self.device, self._also_dtypes)
+        check_move(self.component_name, fn, self.dtype, self.device, self.also_dtypes)
         return self
 
     def train(self, mode: bool = True) -> StandIn:
