@@ -311,32 +311,86 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     device = _choice(origin, "device", raw["device"], DEVICES)
     dtype = _choice(origin, "dtype", raw.get("dtype", "float32"), DTYPES)
 
-    gpu = None
-    if "gpu" in raw:
-        if device != "cuda":
-            raise TargetError(f"{origin}: key 'gpu' is only allowed with device = \"cuda\"")
-        table = _expect(origin, "gpu", raw["gpu"], dict, "a table {name, capability[, multi_arch]}")
-        extra = sorted(set(table) - {"name", "capability", "multi_arch"})
-        if extra or not {"name", "capability"} <= set(table):
-            raise TargetError(f"{origin}: key 'gpu' needs name and capability (and optionally multi_arch), "
-                              f"got {sorted(table)}")
-        capability = str(table["capability"])
-        if not re.fullmatch(r"\d+\.\d+", capability):
-            raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
-        multi_arch = _expect(origin, "gpu.multi_arch", table.get("multi_arch", False), bool, "true or false")
-        from .export import supports_multi_arch
-
-        if multi_arch and not supports_multi_arch():
-            import torch
-
-            raise TargetError(f"{origin}: key 'gpu.multi_arch': torch {torch.__version__} has no "
-                              f"aot_inductor.emit_multi_arch_kernel option")
-        gpu = GpuSpec(name=str(table["name"]), capability=capability, multi_arch=multi_arch)
-    elif device == "cuda":
-        raise TargetError(f"{origin}: device = \"cuda\" needs key 'gpu' = {{ name = ..., capability = ... }}")
+    gpu = _parse_gpu(origin, raw, device)
     cpu_baseline = _parse_cpu(origin, raw["cpu"], device) if "cpu" in raw else None
 
-    components = _expect(origin, "components", raw["components"], dict, "a table of component names")
+    components = _parse_components(origin, raw["components"], spec)
+
+    revision = raw.get("revision")
+    if revision is not None:
+        _expect(origin, "revision", revision, str, "a string")
+    seed = _expect(origin, "seed", raw.get("seed", 0), int, "an integer")
+    guidance, guidance_mode = _parse_guidance(origin, raw, spec)
+
+    try:
+        stride = pixel_stride(spec, source, base_dir)
+        largest = max_pixels(spec, source, base_dir)
+    except SourceError as exc:
+        raise TargetError(f"{origin}: key 'source': {exc.message}", hint=exc.hint) from None
+    shapes = _parse_shapes(origin, raw["shapes"], spec, stride, largest, source, base_dir)
+    dynamic, dynamic_images = None, None
+    if "dynamic" in raw:
+        frame_step = _frame_stride(spec, source, base_dir, origin) if spec.makes_video else None
+        dynamic, dynamic_images = _parse_dynamic(origin, raw["dynamic"], stride, largest, spec, guidance_mode,
+                                                 frame_step)
+
+    # The keys below are checked against torch's inductor and the pass registry (torch imported);
+    # those above need no torch, and diffusers only for a class aotbuild has no entry for (or a
+    # text length, `_check_takes_text`).
+    from .optimize import validate_optimize  # the pass registry validates its own keys
+
+    optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
+    validate_optimize(optimize, origin=origin, device=device, gpu=gpu)
+    inductor = _parse_inductor(origin, raw.get("inductor", {}), device)
+
+    cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
+    if cuda_graphs and device != "cuda":
+        raise TargetError(f"{origin}: key 'cuda_graphs' is only allowed with device = \"cuda\"")
+
+    compile_mode = _parse_compile(origin, raw.get("compile", {}), spec, components, optimize)
+
+    return Target(
+        name=name, pipeline=spec.class_name, source=source, device=device, shapes=shapes,
+        components=tuple(components), description=str(raw.get("description", "")),
+        revision=revision, seed=seed, gpu=gpu, cpu_baseline=cpu_baseline, dtype=dtype, guidance_scale=guidance,
+        guidance=guidance_mode,
+        tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
+        dynamic_images=dynamic_images,
+        optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
+        base_dir=base_dir,
+    )
+
+
+def _parse_gpu(origin: str, raw: dict[str, Any], device: str) -> GpuSpec | None:
+    """gpu = { name, capability[, multi_arch] }: a CUDA target's GPU, required there."""
+    if "gpu" not in raw:
+        if device == "cuda":
+            raise TargetError(f"{origin}: device = \"cuda\" needs key 'gpu' = {{ name = ..., capability = ... }}")
+        return None
+    if device != "cuda":
+        raise TargetError(f"{origin}: key 'gpu' is only allowed with device = \"cuda\"")
+    table = _expect(origin, "gpu", raw["gpu"], dict, "a table {name, capability[, multi_arch]}")
+    extra = sorted(set(table) - {"name", "capability", "multi_arch"})
+    if extra or not {"name", "capability"} <= set(table):
+        raise TargetError(f"{origin}: key 'gpu' needs name and capability (and optionally multi_arch), "
+                          f"got {sorted(table)}")
+    capability = str(table["capability"])
+    if not re.fullmatch(r"\d+\.\d+", capability):
+        raise TargetError(f"{origin}: key 'gpu.capability' must look like \"9.0\", got {capability!r}")
+    multi_arch = _expect(origin, "gpu.multi_arch", table.get("multi_arch", False), bool, "true or false")
+    from .export import supports_multi_arch
+
+    if multi_arch and not supports_multi_arch():
+        import torch
+
+        raise TargetError(f"{origin}: key 'gpu.multi_arch': torch {torch.__version__} has no "
+                          f"aot_inductor.emit_multi_arch_kernel option")
+    return GpuSpec(name=str(table["name"]), capability=capability, multi_arch=multi_arch)
+
+
+def _parse_components(origin: str, table: Any, spec: Any) -> dict[str, dict[str, Any]]:
+    """[components] NAME = { [tiling = true] }: what to compile, each a component of the pipeline."""
+    components = _expect(origin, "components", table, dict, "a table of component names")
     if not components:
         raise TargetError(f"{origin}: key 'components' is empty; known: {', '.join(spec.components)}")
     for comp, options in components.items():
@@ -354,13 +408,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                 and spec.components[comp].part is None:
             raise TargetError(f"{origin}: key 'components.{comp}.tiling': only the VAE's parts (vae_decoder, "
                               f"vae_encoder) decode or encode by tiles")
+    return components
 
-    revision = raw.get("revision")
-    if revision is not None:
-        _expect(origin, "revision", revision, str, "a string")
-    seed = _expect(origin, "seed", raw.get("seed", 0), int, "an integer")
-    guidance = raw.get("guidance_scale", 5.0)
-    guidance = float(_expect(origin, "guidance_scale", guidance, (int, float), "a number"))
+
+def _parse_guidance(origin: str, raw: dict[str, Any], spec: Any) -> tuple[float, str]:
+    """guidance_scale (the guided captures') and guidance (GUIDANCE_MODES)."""
+    guidance = float(_expect(origin, "guidance_scale", raw.get("guidance_scale", 5.0), (int, float), "a number"))
     guidance_mode = _choice(origin, "guidance", raw.get("guidance", "both"), GUIDANCE_MODES)
     if guidance_mode != "unguided" and guidance <= 1:
         raise TargetError(f"{origin}: key 'guidance_scale' = {guidance:g} turns guidance off, and guidance = "
@@ -369,13 +422,14 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     if guidance_mode != "both" and not spec.cfg_batch:
         raise TargetError(f"{origin}: key 'guidance': {spec.class_name}'s denoiser batch is the same with and "
                           f"without guidance, so there is nothing to choose; remove the key")
+    return guidance, guidance_mode
 
-    try:
-        stride = pixel_stride(spec, source, base_dir)
-        largest = max_pixels(spec, source, base_dir)
-    except SourceError as exc:
-        raise TargetError(f"{origin}: key 'source': {exc.message}", hint=exc.hint) from None
-    shapes_raw = _expect(origin, "shapes", raw["shapes"], list, "an array of [[shapes]] tables")
+
+def _parse_shapes(origin: str, table_list: Any, spec: Any, stride: int, largest: int | None, source: str,
+                  base_dir: Path) -> tuple[ShapeBucket, ...]:
+    """[[shapes]]: the static buckets, each a multiple of the model's pixel `stride` and at most
+    `largest`, with frames where the pipeline makes videos."""
+    shapes_raw = _expect(origin, "shapes", table_list, list, "an array of [[shapes]] tables")
     if not shapes_raw:
         raise TargetError(f"{origin}: key 'shapes' needs at least one [[shapes]] bucket")
     video = spec.makes_video
@@ -422,26 +476,14 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key {where!r} repeats bucket {bucket}")
         shapes.append(bucket)
 
-    frame_step = _frame_stride(spec, source, base_dir, origin) if video else None
-    dynamic_table, dynamic_images = raw.get("dynamic"), None
-    if isinstance(dynamic_table, dict) and "images" in dynamic_table:
-        dynamic_table = dict(dynamic_table)
-        dynamic_images = _edited_images(origin, "dynamic.images", dynamic_table.pop("images"), spec)
-    dynamic = _parse_dynamic(origin, dynamic_table, stride, spec, guidance_mode, frame_step) \
-        if "dynamic" in raw else None
-    for axis in ("height", "width"):
-        if dynamic:
-            _check_largest(origin, f"dynamic.{axis}", dynamic[axis][1], largest, spec)
+    return tuple(shapes)
 
-    # The keys below are checked against torch's inductor and the pass registry (torch imported);
-    # those above need no torch, and diffusers only for a class aotbuild has no entry for (or a
-    # text length, `_check_takes_text`).
+
+def _parse_inductor(origin: str, table: Any, device: str) -> dict[str, Any]:
+    """[inductor]: options of this torch's inductor (a profile, then keys), checked by name."""
     from .export import PROFILES, check_inductor_keys, cpu_gemm_templates
-    from .optimize import validate_optimize  # the pass registry validates its own keys
 
-    optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
-    validate_optimize(optimize, origin=origin, device=device, gpu=gpu)
-    inductor = _expect(origin, "inductor", raw.get("inductor", {}), dict, "a table")
+    inductor = _expect(origin, "inductor", table, dict, "a table")
     for key, value in inductor.items():
         _expect(origin, f"inductor.{key}", value, (bool, int, float, str), "a boolean, number or string")
     if inductor.get("profile", "default") not in PROFILES:
@@ -454,23 +496,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                           f"load_state_dict) could not reach",
                           hint='leave max_autotune (and profile = "max-autotune") to CUDA targets, or set '
                                'max_autotune_gemm_backends = "ATEN"')
-
-    cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
-    if cuda_graphs and device != "cuda":
-        raise TargetError(f"{origin}: key 'cuda_graphs' is only allowed with device = \"cuda\"")
-
-    compile_mode = _parse_compile(origin, raw.get("compile", {}), spec, components, optimize)
-
-    return Target(
-        name=name, pipeline=spec.class_name, source=source, device=device, shapes=tuple(shapes),
-        components=tuple(components), description=str(raw.get("description", "")),
-        revision=revision, seed=seed, gpu=gpu, cpu_baseline=cpu_baseline, dtype=dtype, guidance_scale=guidance,
-        guidance=guidance_mode,
-        tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
-        dynamic_images=dynamic_images,
-        optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
-        base_dir=base_dir,
-    )
+    return inductor
 
 
 def _parse_cpu(origin: str, table: Any, device: str) -> str:
@@ -574,11 +600,24 @@ def _check_takes_text(origin: str, key: str, spec: Any) -> None:
                           f"is not a shape to choose")
 
 
-def _parse_dynamic(origin: str, table: Any, stride: int, spec: Any, guidance: str,
-                   frame_step: int | None) -> dict[str, list[int]]:
+def _parse_dynamic(origin: str, table: Any, stride: int, largest: int | None, spec: Any, guidance: str,
+                   frame_step: int | None) -> tuple[dict[str, list[int]], tuple[tuple[int, int], ...] | None]:
     """[dynamic] batch/height/width[/frames][/max_sequence_length] = [min, max], in images (videos),
-    pixels, frames, tokens. A video pipeline's range gives its frames (`frame_step`: 1 + a multiple
-    of it), an image pipeline's none."""
+    pixels, frames, tokens, and the `images` its calls edit together (`EDITS_SEVERAL`). A video
+    pipeline's range gives its frames (`frame_step`: 1 + a multiple of it), an image pipeline's none."""
+    images = None
+    if isinstance(table, dict) and "images" in table:
+        table = dict(table)
+        images = _edited_images(origin, "dynamic.images", table.pop("images"), spec)
+    ranges = _dynamic_ranges(origin, table, stride, spec, guidance, frame_step)
+    for axis in ("height", "width"):
+        _check_largest(origin, f"dynamic.{axis}", ranges[axis][1], largest, spec)
+    return ranges, images
+
+
+def _dynamic_ranges(origin: str, table: Any, stride: int, spec: Any, guidance: str,
+                    frame_step: int | None) -> dict[str, list[int]]:
+    """The [min, max] ranges of [dynamic], each checked (`_parse_dynamic`)."""
     video = frame_step is not None
     _expect(origin, "dynamic", table, dict, "a table {batch, height, width[, frames][, max_sequence_length]}")
     required = ("batch", "height", "width", *(("frames",) if video else ()))
