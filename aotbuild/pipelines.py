@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import re
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -417,12 +416,9 @@ def call_multiple(cls: type) -> int:
     """The multiple a pipeline's own input check holds height and width to, where it writes one
     (`height % 16 != 0` in Wan's, 32 in LTX-Video's): a stricter stride than the model's, for a
     tiny VAE; 1 where it writes none."""
-    check = getattr(cls, "check_inputs", None)
-    try:
-        found = re.search(r"height\s*%\s*(\d+)\s*!=\s*0", inspect.getsource(check)) if check else None
-    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
-        found = None
-    return int(found.group(1)) if found else 1
+    from .private_apis import check_inputs_multiple
+
+    return check_inputs_multiple(cls) or 1
 
 
 def _lcm_stride(stride: Callable[[dict[str, dict]], int], multiple: int, configs: dict[str, dict]) -> int:
@@ -442,7 +438,6 @@ EDITS_SEVERAL = ("QwenImageEditPlusPipeline",)
 def resized_image(class_name: str, height: int, width: int) -> tuple[int, int] | None:
     """(height, width) px a `SIZED_BY_IMAGE` pipeline resizes an image of this aspect ratio to, by
     its own module's `calculate_dimensions`, for its VAE encoder (None: another pipeline)."""
-    import sys
 
     import diffusers
 
@@ -479,12 +474,9 @@ def _attributes_read(cls: type, attribute: str) -> tuple[str, ...]:
     """The attributes of `self.<attribute>` a pipeline class's code reads (Z-Image reads
     `transformer.in_channels`), less those every stand-in has; the build records the ones that are
     plain values (`plain_attribute`)."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return ()
-    found = re.findall(rf"self\.{attribute}\.([A-Za-z_]\w*)", source)
-    return tuple(sorted(set(found) - {"config", "dtype", "device"}))
+    from .private_apis import attributes_read
+
+    return tuple(sorted(set(attributes_read(cls, attribute)) - {"config", "dtype", "device"}))
 
 
 def plain_attribute(value: Any) -> bool:
@@ -515,9 +507,9 @@ def _output_class(forward: Callable) -> str | None:
     except (NameError, TypeError):
         found = None
     if found is None:  # annotated as a tensor (Wan, LTX-Video): the class its return_dict branch builds
-        namespace = vars(sys.modules[forward.__module__])
-        found = next((namespace[name] for name in re.findall(r"return\s+(\w+)\(", inspect.getsource(forward))
-                      if isinstance(namespace.get(name), type) and issubclass(namespace[name], BaseOutput)), None)
+        from .private_apis import returned_classes
+
+        found = next((cls for cls in returned_classes(forward) if issubclass(cls, BaseOutput)), None)
     return f"{found.__module__}.{found.__qualname__}" if found else None
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "onednn_convolutions", "onednn_linears",
     "package_aoti", "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds",
     "serve_http_port", "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
+    "check_inputs_multiple", "attributes_read", "returned_classes", "running_pipeline_call",
 ]
 
 
@@ -343,3 +344,63 @@ def serve_http_port() -> int:
 
     return int(_get_global_client().http_config.port)
 
+
+# diffusers' code read as text, or its running call's locals: no public API says these. Each was
+# checked with diffusers 0.42.1; `tests/test_pipelines.py` reads them from the installed diffusers
+# and fails by name when a release writes its code otherwise.
+
+def check_inputs_multiple(cls: type) -> int | None:
+    """The multiple a pipeline's `check_inputs` holds height to, where its code writes one
+    (`height % 16 != 0` in Wan's, 32 in LTX-Video's). Without it: a tiny model's stride would be
+    looser than the pipeline's own check, and a size it refuses would be built."""
+    import inspect
+    import re
+
+    check = getattr(cls, "check_inputs", None)
+    try:
+        found = re.search(r"height\s*%\s*(\d+)\s*!=\s*0", inspect.getsource(check)) if check else None
+    except (OSError, TypeError):  # no source (a compiled or dynamically made class)
+        return None
+    return int(found.group(1)) if found else None
+
+
+def attributes_read(cls: type, attribute: str) -> list[str]:
+    """The attributes of `self.<attribute>` a pipeline class's code reads (Z-Image reads
+    `transformer.in_channels`). Without it: the runtime's stand-in would lack an attribute the
+    pipeline reads, and the call would fail."""
+    import inspect
+    import re
+
+    try:
+        return re.findall(rf"self\.{attribute}\.([A-Za-z_]\w*)", inspect.getsource(cls))
+    except (OSError, TypeError):
+        return []
+
+
+def returned_classes(forward: Callable) -> list[type]:
+    """The classes a model's forward returns by name (`return Transformer2DModelOutput(...)`), in
+    the module that defines it: its output type where the annotation says a tensor (Wan, LTX-Video).
+    Without it: the stand-in would return a tuple where the pipeline reads `.sample`."""
+    import inspect
+    import re
+    import sys
+
+    namespace = vars(sys.modules[forward.__module__])
+    return [namespace[name] for name in re.findall(r"return\s+(\w+)\(", inspect.getsource(forward))
+            if isinstance(namespace.get(name), type)]
+
+
+def running_pipeline_call(names: tuple[str, ...]) -> tuple[Any, dict[str, Any]] | None:
+    """The diffusers pipeline whose `__call__` is running on this thread, and the values of these
+    local variables there (its arguments, and `batch_size` once computed); None outside one. Read
+    from the call's frame. Without it: a refusal could not say the call in the caller's terms
+    (pixels, images, frames), only the compiled model's tensor shapes."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
+            return owner, {name: frame.f_locals.get(name) for name in names}
+        frame = frame.f_back
+    return None

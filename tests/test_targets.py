@@ -328,6 +328,22 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
     assert derived_spec("WanPipeline").makes_video and not derived_spec("PixArtSigmaPipeline").makes_video
 
 
+def test_what_aotbuild_reads_of_diffusers_code_is_there_in_the_installed_diffusers():
+    """Read as text (no public API says them; private_apis.py): the multiple a pipeline's input
+    check holds sizes to, the model attributes a pipeline reads, a forward's output class. A
+    diffusers release that writes these otherwise fails here, by name, not in a build."""
+    import diffusers
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    from aotbuild.private_apis import attributes_read, check_inputs_multiple, returned_classes
+
+    assert {name: check_inputs_multiple(getattr(diffusers, name)) for name in
+            ("WanPipeline", "LTXPipeline", "StableDiffusionXLPipeline")} == {
+        "WanPipeline": 16, "LTXPipeline": 32, "StableDiffusionXLPipeline": 8}
+    assert "in_channels" in attributes_read(diffusers.ZImagePipeline, "transformer")
+    assert returned_classes(diffusers.WanTransformer3DModel.forward) == [Transformer2DModelOutput]
+
+
 def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):
     from aotbuild.export import MULTI_ARCH_OPTION, inductor_options
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..pipelines import EDITS_SEVERAL, FRAMES, SIZED_BY_IMAGE, TEXT
-from ..private_apis import pytree
+from ..private_apis import pytree, running_pipeline_call
 from ..shapes import polynomial
 from .coverage import span, text_lengths, uncovered, variant_coverage
 from .variant import CompiledVariant, leaf_name
@@ -307,22 +306,16 @@ HIDDEN_VALUES = ("batch_size", "_guided")  # what `pipeline_call` reads beside t
 def pipeline_call() -> tuple[str, dict[str, Any]] | None:
     """The diffusers pipeline call running on this thread, if any: its class and the arguments
     that choose a variant (read from its frame, to phrase errors in the caller's terms)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if frame.f_code.co_name == "__call__" and type(owner).__module__.startswith("diffusers.pipelines"):
-            # Flux Kontext scales height x width to max_area and resizes the edited image (image_height...).
-            names = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt",
-                     "guidance_scale", TEXT, "max_area", "image_height", "image_width", "_auto_resize",
-                     *CALL_SETS.values())
-            values = {k: frame.f_locals.get(k) for k in names}
-            # Not shown as arguments: the prompts (an int once computed) and whether the call guides,
-            # by the pipeline's own test (Z-Image guides above 0, most pipelines above 1).
-            values["batch_size"] = frame.f_locals.get("batch_size")
-            try:
-                values["_guided"] = bool(owner.do_classifier_free_guidance)
-            except (AttributeError, TypeError):  # no such property, or not set yet
-                values["_guided"] = None
-            return type(owner).__name__, values
-        frame = frame.f_back
-    return None
+    # Flux Kontext scales height x width to max_area and resizes the edited image (image_height...).
+    # Not shown as arguments: the prompts (`batch_size`, an int once computed).
+    names = ("height", "width", "num_frames", "num_images_per_prompt", "num_videos_per_prompt", "guidance_scale",
+             TEXT, "max_area", "image_height", "image_width", "_auto_resize", *CALL_SETS.values(), "batch_size")
+    found = running_pipeline_call(names)
+    if found is None:
+        return None
+    owner, values = found
+    try:  # whether the call guides, by the pipeline's own test (Z-Image guides above 0, most above 1)
+        values["_guided"] = bool(owner.do_classifier_free_guidance)
+    except (AttributeError, TypeError):  # no such property, or not set yet
+        values["_guided"] = None
+    return type(owner).__name__, values
