@@ -248,10 +248,13 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         raise AotbuildError(f"--dtype names the artifact's dtype (--backend aot); --backend {backend} runs the "
                             f"target's pipeline in the target's dtype")
     if target_name is not None:  # a mistyped name or a size the model cannot make, said before torch is imported
-        from .targets import load_target, stride_of, target_file
+        from .targets import load_target, read_target_file, stride_of, target_file
 
         path = target_file(target_name)
         _say_where((target_name,), artifacts)
+        raw = read_target_file(path)
+        if isinstance(raw.get("shapes"), list) and raw["shapes"] and isinstance(raw["shapes"][0], dict):
+            _check_made({"pipeline": raw.get("pipeline"), "shapes": raw["shapes"]}, frames, output)
         stride = stride_of(path) or load_target(path).stride
         for name, value in (("--height", height), ("--width", width)):
             if value is not None and value % stride:
@@ -277,7 +280,6 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     else:
         target = load_target(path)
         recorded = target.to_dict()
-        _check_made(recorded, frames, output)  # before the load: the target says what it makes
         pipe = prepare(target, backend, artifacts, cuda_graphs=cuda_graphs, weights=weights, loras=adapters,
                        dtype=dtype)
     load_s = time.perf_counter() - start
@@ -683,10 +685,9 @@ def _check_artifact_argument(artifact: str) -> None:
 
 
 def _check_made(recorded: dict[str, Any], frames: int | None, output: Path | None) -> None:
-    """`--frames` and `--output`'s suffix against what the target or artifact makes: images or videos."""
-    from .backends import call_defaults
-
-    video = call_defaults(recorded)["frames"] is not None
+    """`--frames` and `--output`'s suffix against what the target or artifact makes: images or videos
+    (its first bucket has frames, as `backends.call_defaults` reads it)."""
+    video = recorded["shapes"][0].get("frames") is not None
     if frames is not None and not video:
         raise AotbuildError(f"--frames: {recorded['pipeline']} makes images, not videos")
     if output is not None and video != (output.suffix.lower() == VIDEO_SUFFIX):

@@ -153,7 +153,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             raise AotbuildError(f"--against {other.name}: compared with {target.name}'s {component}, it must be "
                                 f"another target of {target.pipeline} that compiles {component}")
     folder = built_artifact(target.name, artifacts_dir)
-    others = {f"aot:{other.name}": built_artifact(other, artifacts_dir) for other in compared}
+    others = {f"aot:{other.name}": built_artifact(other.name, artifacts_dir) for other in compared}
     spec = pipeline_spec(target.pipeline).component(component)
     cases = tuple(c for c in COMPONENT_CASES if c in cases)
     skipped = {case: reason for case in cases if case in PEERS and (reason := PEERS[case].missing())}
