@@ -13,6 +13,7 @@ from PIL import Image
 from aotbuild.cli import main
 
 from .conftest import ROOT, TARGETS, build_once, eager_pipeline
+from .test_targets import GOOD, write_target
 
 pytestmark = pytest.mark.slow
 TINY = str(TARGETS / "cpu-tiny-sdxl.toml")
@@ -222,27 +223,13 @@ ANSWERED_AT_ONCE = [
 ]
 
 
-MISSPELLED = """name = "t"
-pipeline = "StableDiffusionXLPipeline"
-source = "random:tiny-sdxl"
-device = "cpu"
-dtyp = "float32"
-[[shapes]]
-batch = 1
-height = 64
-width = 64
-[components]
-unet = {}
-"""
 
 
 @pytest.mark.parametrize(("args", "code", "error", "hint"), ANSWERED_AT_ONCE, ids=lambda v: " ".join(v)
                          if isinstance(v, list) else None)
 def test_what_the_arguments_decide_is_said_without_importing_torch(args, code, error, hint, tmp_path):
-    (tmp_path / "t.toml").write_text(MISSPELLED)
-    (tmp_path / "h.toml").write_text(MISSPELLED.replace('"t"', '"h"').replace("dtyp", "dtype").replace("64", "63", 1))
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "tiny-sdxl").symlink_to(TARGETS / "configs" / "tiny-sdxl")
+    write_target(tmp_path, GOOD.replace('device = "cpu"', 'device = "cpu"\ndtyp = "float32"'))
+    write_target(tmp_path, GOOD.replace('"t"', '"h"').replace("height = 64", "height = 63"), name="h")
     args, error = [arg.replace("{tmp}", str(tmp_path)) for arg in args], error and error.replace("{tmp}", str(tmp_path))
     probe = ("import atexit, sys\n"
              "atexit.register(lambda: print('torch imported' * ('torch' in sys.modules), file=sys.stderr))\n"
