@@ -255,7 +255,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         raw = read_target_file(path)
         if isinstance(raw.get("shapes"), list) and raw["shapes"] and isinstance(raw["shapes"][0], dict):
             _check_made({"pipeline": raw.get("pipeline"), "shapes": raw["shapes"]}, frames, output)
-        stride = stride_of(path) or load_target(path).stride
+        stride = stride_of(raw, path.parent) or load_target(path).stride
         for name, value in (("--height", height), ("--width", width)):
             if value is not None and value % stride:
                 below = value - value % stride

@@ -47,7 +47,7 @@ def ray_session(address: str | None) -> Iterator[bool]:
         yield False
         return
     level = ray_log_level()
-    if level != "INFO" and level != "DEBUG":
+    if level not in ("INFO", "DEBUG"):
         logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
         logging.getLogger("ray.serve").setLevel(level)  # the driver's own Serve lines
     try:  # a cluster joined keeps its own dashboard

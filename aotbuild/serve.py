@@ -1009,16 +1009,9 @@ def check_port(host: str, port: int) -> None:
     """Refuse a port another program listens on before Ray starts (seconds of start-up, then a
     traceback from its proxy); Ray Serve's own, on a cluster this command joins, is taken as is."""
     import errno
-    import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            return
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                return  # an address this machine lacks, say: Serve's proxy says so in its own words
+    if _bind_error(host, port) != errno.EADDRINUSE:
+        return  # free, or an address this machine lacks, say: Serve's proxy says so in its own words
     try:
         status, headers, _ = request(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/-/routes",
                                      timeout=0.5)  # Serve's proxy answers in milliseconds
@@ -1026,21 +1019,24 @@ def check_port(host: str, port: int) -> None:
             return  # Serve's proxy (503: no application yet): a cluster serving here, which the deployment joins
     except (OSError, ValueError):
         pass
-    free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bindable(host, p)), None)
+    free = next((p for p in range(port + 1, min(port + 100, 65536)) if _bind_error(host, p) is None), None)
     raise AotbuildError(f"port {port} on {host} is in use by another program",
                         hint=(f"give --port {free} (free now), or " if free else "give another --port, or ")
                         + f"stop what listens on {port}")
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind_error(host: str, port: int) -> int | None:
+    """The errno of binding (host, port) as a server would (SO_REUSEADDR, as uvicorn sets it), or None
+    where it binds."""
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-            return True
-        except OSError:
-            return False
+        except OSError as exc:
+            return exc.errno
+    return None
 
 
 def _serve_port(asked: int) -> int:

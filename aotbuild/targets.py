@@ -227,18 +227,18 @@ def list_targets(targets_dir: Path | None = None) -> list[Target]:
     return [load_target(p) for p in target_files(targets_dir)]
 
 
-def stride_of(path: Path) -> int | None:
-    """The pixel stride of a target file's model, read before the file is validated (validation
-    reads the diffusers classes: seconds), so that a size the model cannot make is refused at once.
-    None where the file does not name a pipeline and a source plainly: `load_target` says why."""
+def stride_of(raw: dict[str, Any], base_dir: Path) -> int | None:
+    """The pixel stride of a target file's model (`raw`, its TOML as read; `base_dir`, its folder),
+    read before the file is validated (validation reads the diffusers classes: seconds), so that a
+    size the model cannot make is refused at once. None where the file does not name a pipeline and
+    a source plainly: `load_target` says why."""
     from .sources import pixel_stride
 
-    raw = read_target_file(path)
     pipeline, source = raw.get("pipeline"), raw.get("source")
     if not (isinstance(pipeline, str) and isinstance(source, str)):
         return None
     try:
-        return pixel_stride(pipeline_spec(pipeline), source, path.parent)
+        return pixel_stride(pipeline_spec(pipeline), source, base_dir)
     except (TargetError, SourceError):
         return None
 
