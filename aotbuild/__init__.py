@@ -27,11 +27,11 @@ from .errors import (
     UntrustedCodeError,
     WeightsMismatchError,
 )
-from .openmp import spin_before_torch as _spin_before_torch
+from .runtime.openmp import spin_before_torch as _spin_before_torch
 
 # OpenMP's threads spin briefly in this process when it imports aotbuild before torch: libgomp
 # reads the setting once, as torch loads it, and a long spin costs processes sharing the cores up
-# to 1.5x (openmp.py). Nothing else is set at import.
+# to 1.5x (runtime/openmp.py). Nothing else is set at import.
 _spin_before_torch()
 
 __version__ = "0.1.0"
@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_pipeline": "runtime", "apply": "runtime",
     "build": "builder",
-    "Target": "targets", "load_target": "targets", "list_targets": "targets",
+    "Target": "builder.targets", "load_target": "builder.targets", "list_targets": "builder.targets",
 }
 
 __all__ = [

@@ -1,5 +1,9 @@
 """The `aotbuild` command. Argument handling and printing only; every AotbuildError becomes one
-line on stderr (plus a hint) and a non-zero exit, with a traceback only under --debug."""
+line on stderr (plus a hint) and a non-zero exit, with a traceback only under --debug.
+
+One module for every command (over 500 lines): each command is its options and a call into the
+package, and `--help`, the option checks done before torch is imported and the error handling are
+shared; the work is in the layers below."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any
 
 import click
 
-from .bench import CACHE_THRESHOLD
+from .benchmarking.harness import CACHE_THRESHOLD
 from .errors import AotbuildError, ArgumentError
 
 ARTIFACTS_HELP = "folder holding one artifact folder per target (env AOTBUILD_ARTIFACTS)"
@@ -79,7 +83,7 @@ class _Group(click.Group):
 @click.version_option(package_name="aotbuild")
 def main(debug: bool) -> None:
     """Build diffusers pipelines into ahead-of-time compiled artifacts, and run them."""
-    from .openmp import use_openmp_settings
+    from .runtime.openmp import use_openmp_settings
 
     if debug:
         os.environ.setdefault("RAY_LOGGER_LEVEL", "info")  # Ray's own lines, WARNING and up otherwise
@@ -93,7 +97,7 @@ def main(debug: bool) -> None:
                                             "seconds, not a blink)")
 def targets(targets_dir: Path | None, check: bool) -> None:
     """List the targets, one line each, as their files say; exit 1 where one is invalid."""
-    from .targets import describe, load_target, target_files
+    from .builder.targets import describe, load_target, target_files
 
     rows, invalid = [], []
     for path in target_files(targets_dir):
@@ -137,12 +141,12 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
           wait: float | None) -> None:
     """Build artifacts/<target>/ (skipped when already fresh). Several targets, --ray or --push:
     each target fails alone, a table sums them up, and the exit code is the number that failed."""
-    from .targets import load_target
+    from .builder.targets import load_target
 
     if (address or cpus != 1) and not use_ray:
         raise AotbuildError("--address and --cpus place builds on Ray: add --ray")
     if push_repo:
-        from .hub import parse_repo
+        from .runtime.hub import parse_repo
 
         parse_repo(push_repo)  # a malformed repo fails before any build
     targets = [load_target(name) for name in target_names]
@@ -151,7 +155,7 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
     if len(set(names)) != len(names):
         raise AotbuildError(f"target {max(names, key=names.count)!r} is named twice")
     if len(targets) == 1 and not use_ray and not push_repo:
-        from .builder import build as run_build
+        from .builder.flow import build as run_build
 
         result = run_build(targets[0], artifacts, force=force, allow_numerics_drift=allow_numerics_drift, wait=wait)
         if result.skipped:
@@ -159,7 +163,7 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
             return
         click.echo(_summary(result.folder, result.manifest))
         return
-    from .matrix import format_rows, run_matrix
+    from .fleet.matrix import format_rows, run_matrix
 
     rows = run_matrix(targets, artifacts, use_ray=use_ray, address=address, cpus=cpus, force=force,
                       allow_numerics_drift=allow_numerics_drift, push_repo=push_repo, wait=wait,
@@ -219,7 +223,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext); with --mask too, inpainting."""
-    from .media import check_video_writer, video_fps, write_video
+    from .generation.media import check_video_writer, video_fps, write_video
 
     if target_name is not None and artifact is not None:
         raise AotbuildError(f"give --target or --artifact, not both: --target {target_name} runs the target's "
@@ -248,7 +252,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         raise AotbuildError(f"--dtype names the artifact's dtype (--backend aot); --backend {backend} runs the "
                             f"target's pipeline in the target's dtype")
     if target_name is not None:  # a mistyped name or a size the model cannot make, said before torch is imported
-        from .targets import load_target, read_target_file, stride_of, target_file
+        from .builder.targets import load_target, read_target_file, stride_of, target_file
 
         path = target_file(target_name)
         _say_where((target_name,), artifacts)
@@ -266,7 +270,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
             from .runtime.artifacts import built_artifact
 
             built_artifact(path.stem, artifacts)  # a target never built
-    from .backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
+    from .generation.backends import call_defaults, generate, parse_lora, prepare, prepare_artifact
     from .runtime.load import UncuratedPipelineWarning
 
     # Said once, by the build and `inspect`: not at every run of a pipeline built by capture.
@@ -309,7 +313,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
         click.echo(f"note: the {'video' if video else 'image'}s were not saved: give --output FILE."
                    f"{'mp4' if video else 'png'}", err=True)
     applied = f" loras={','.join(f'lora{i}:{scale}' for i, (_, scale) in enumerate(adapters))}" if adapters else ""
-    from .pipelines import edits_image
+    from .spec.pipelines import edits_image
 
     mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else
             " inpainting" if mask is not None else " img2img") if images else ""
@@ -329,7 +333,7 @@ def _read_images(paths: tuple[Path, ...]) -> Any:
 
 
 def _read_picture(path: Path, option: str, mode: str = "RGB") -> Any:
-    from .media import read_picture
+    from .generation.media import read_picture
 
     return read_picture(path.read_bytes(), f"{option} {path}", mode)
 
@@ -339,8 +343,8 @@ def _read_picture(path: Path, option: str, mode: str = "RGB") -> Any:
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def inspect(artifact: str, as_json: bool) -> None:
     """Show an artifact's manifest (a folder or hf://org/name[@revision])."""
-    from .manifest import read_manifest
     from .runtime import artifact_folder
+    from .spec.manifest import read_manifest
 
     folder, found = artifact_folder(artifact, manifest_only=True)
     manifest = read_manifest(folder)
@@ -357,8 +361,8 @@ def inspect(artifact: str, as_json: bool) -> None:
 @click.argument("artifact")
 def verify(artifact: str) -> None:
     """Check hashes and fit to this machine; exits non-zero on any problem."""
-    from .manifest import read_manifest, verify_files
     from .runtime import artifact_folder
+    from .spec.manifest import read_manifest, verify_files
 
     folder, _ = artifact_folder(artifact)
     from .runtime import check_fit
@@ -382,9 +386,9 @@ def verify(artifact: str) -> None:
 def push(target_name: str, repo_id: str, revision: str | None, private: bool, create_pr: bool, dry_run: bool,
          artifacts: Path) -> None:
     """Upload artifacts/<target>/ to the Hub as one variant, in one commit (index and card included)."""
-    from .hub import parse_repo
-    from .hub import push as run_push
-    from .targets import load_target
+    from .builder.targets import load_target
+    from .runtime.hub import parse_repo
+    from .runtime.hub import push as run_push
 
     target = load_target(target_name)
     repo_id, repo_revision = parse_repo(repo_id)
@@ -415,7 +419,7 @@ def push(target_name: str, repo_id: str, revision: str | None, private: bool, cr
                                                         "loading the artifact runs); required")
 def pull(repo: str, variant: str | None, device: str | None, dtype: str | None, trust_remote_code: bool) -> None:
     """Download the variant of REPO (org/name[@revision]) that fits this machine into the HF cache."""
-    from .hub import HF_PREFIX, check_trusted, resolve
+    from .runtime.hub import HF_PREFIX, check_trusted, resolve
 
     check_trusted(repo if repo.startswith(HF_PREFIX) else HF_PREFIX + repo, trust_remote_code)
     found = resolve(repo, variant=variant, device=device, dtype=dtype)
@@ -478,13 +482,15 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     each repetition. The default (4 cases x 3 repetitions) takes 15 minutes or more on a small CPU
     target, most of it torch.compile; --quick is a first look. With --component: one component
     against the peers in one process (bench-<component>.json), --quick 5 rounds."""
-    from .bench import BENCH_NAME, CASES, DEFAULT_RATIOS, REGIONAL_CASE, REGIONAL_RATIOS, format_table, plot, run_bench
-    from .targets import load_target
+    from .benchmarking.harness import BENCH_NAME, CASES, REGIONAL_CASE, plot, run_bench
+    from .benchmarking.report import DEFAULT_RATIOS, REGIONAL_RATIOS, format_table
+    from .builder.targets import load_target
 
     given = {name for name in ("repeats", "steps", "steady", "cases", "rounds", "cache_threshold", "max_batch")
              if click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
     if growth is not None:
-        from .growth import format_growth_table, growth_name, measure_growth, plot_growth
+        from .benchmarking.growth import growth_name, measure_growth, plot_growth
+        from .benchmarking.report import format_growth_table
 
         if component is None or given or serve_bench or load or loras or busy or against:
             raise AotbuildError("--growth reads what was measured: it takes --target, --component, --plot and "
@@ -499,8 +505,9 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     if (loras or "max_batch" in given) and load is None:
         raise AotbuildError("--lora and --max-batch go with --load")
     if load is not None:
-        from .serve import parse_adapters
-        from .serve_load import SERVE_LOAD_NAME, bench_load, format_load_table
+        from .benchmarking.load import SERVE_LOAD_NAME, bench_load
+        from .benchmarking.report import format_load_table
+        from .serving.slots import parse_adapters
 
         shape = re.fullmatch(r"([1-9]\d{0,3})x([1-9]\d{0,4})", load)
         if shape is None:
@@ -516,7 +523,8 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     if "cache_threshold" in given and "aot-cache" not in (_listed(cases) or ()):
         raise AotbuildError("--cache-threshold goes with case aot-cache (--cases ...,aot-cache)")
     if component is not None:
-        from .component_bench import component_bench_name, format_component_table, run_component_bench
+        from .benchmarking.component import component_bench_name, run_component_bench
+        from .benchmarking.report import format_component_table
 
         if serve_bench or plot_path:
             raise AotbuildError("--component times one component; --serve and --plot bench whole pipelines")
@@ -542,8 +550,8 @@ def bench(target_name: str, repeats: int, steps: int, steady: int, cases: str | 
     progress = lambda msg: click.echo(f"[bench] {msg}", err=True)  # noqa: E731
     chosen = _listed(cases)
     if serve_bench:
-        from .backends import BACKENDS
-        from .serve import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
+        from .benchmarking.replicas import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
+        from .generation.backends import BACKENDS
 
         if plot_path:
             raise AotbuildError("--plot draws `aotbuild bench`, not --serve")
@@ -617,8 +625,9 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
     frames, output, image, mask, strength, lora, lora_scale, weights) to the URL, or multipart with
     image and mask files: a PNG (an MP4), or JSON; or OpenAI's images requests to
     /v1/images/generations and /v1/images/edits."""
-    from .hub import check_trusted
-    from .serve import check_port, parse_adapters, parse_autoscale, parse_checkpoints, run_server
+    from .runtime.hub import check_trusted
+    from .serving.application import check_port, parse_autoscale, run_server
+    from .serving.slots import parse_adapters, parse_checkpoints
 
     if replicas is not None and autoscale is not None:
         raise AotbuildError("give --replicas or --autoscale, not both")
@@ -628,13 +637,13 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
     adapters = parse_adapters(loras)  # a missing LoRA file fails here, not in every replica
     others = parse_checkpoints(checkpoints)
     if not artifact.startswith("hf://"):
-        from .manifest import read_manifest
+        from .spec.manifest import read_manifest
 
         artifact = str(Path(artifact).resolve())  # replicas may start in another folder
         target = read_manifest(Path(artifact))["target"]  # a wrong folder fails here, not in every replica
         import diffusers
 
-        from .pipelines import requires_image
+        from .spec.pipelines import requires_image
 
         if requires_image(getattr(diffusers, target["pipeline"])):
             raise AotbuildError(f"{target['pipeline']} needs an image in every call, and aotbuild serve serves "
@@ -666,7 +675,7 @@ def cache(clear: bool) -> None:
 
 def _say_where(target_names: tuple[str, ...], artifacts: Path) -> None:
     """Where targets given by name came from and where artifacts go, when not ./targets."""
-    from .targets import is_target_name, targets_dir_note
+    from .builder.targets import is_target_name, targets_dir_note
 
     note = targets_dir_note() if any(map(is_target_name, target_names)) else None
     if note:
@@ -675,7 +684,7 @@ def _say_where(target_names: tuple[str, ...], artifacts: Path) -> None:
 
 def _check_artifact_argument(artifact: str) -> None:
     """`--artifact NAME` where NAME is no folder but a target's name: say what to pass instead."""
-    from .targets import default_targets_dir
+    from .builder.targets import default_targets_dir
 
     if not artifact.startswith("hf://") and not Path(artifact).exists() \
             and (default_targets_dir() / f"{artifact}.toml").is_file():
@@ -698,7 +707,7 @@ def _check_made(recorded: dict[str, Any], frames: int | None, output: Path | Non
 def _dim_text(dim: Any) -> str:
     """A dim of a variant's signature: 4, 2*B, H/8, (F-1)/4+1 (a video's latent frames),
     T[16..256] (image tokens), L[128..512] (text), L[2..500]+205 (text after 205 other tokens)."""
-    from .pipelines import TEXT
+    from .spec.pipelines import TEXT
 
     if isinstance(dim, int):
         return str(dim)
@@ -739,8 +748,8 @@ def _mib(n: int) -> str:
 
 
 def _summary(folder: Path, m: dict[str, Any]) -> str:
-    from .pipelines import size_arguments
     from .runtime import variant_coverage
+    from .spec.pipelines import size_arguments
 
     t, env = m["target"], m["environment"]
     lines = [

@@ -33,7 +33,7 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
 @pytest.fixture(scope="session")
 def tiny_target():
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     return load_target(TARGETS / "cpu-tiny-sdxl.toml")
 
@@ -43,7 +43,7 @@ def eager_pipeline(target, seed: int | None = None):
     import dataclasses
 
     from aotbuild.builder.capturing import load_source_pipeline
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.spec.pipelines import pipeline_spec
 
     if seed is not None:
         target = dataclasses.replace(target, seed=seed)
@@ -192,7 +192,7 @@ def built(tmp_path_factory, tiny_target):
 
 @pytest.fixture(scope="session")
 def int8_target():
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     return load_target(TARGETS / "cpu-tiny-sdxl-int8.toml")
 
@@ -205,7 +205,7 @@ def built_int8(tmp_path_factory, int8_target):
 
 @pytest.fixture(scope="session")
 def prepack_target():
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     return load_target(TARGETS / "cpu-tiny-sdxl-prepack.toml")
 
@@ -218,7 +218,7 @@ def built_prepack(tmp_path_factory, prepack_target):
 
 @pytest.fixture(scope="session")
 def bf16_prepack_target():
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     return load_target(TARGETS / "cpu-tiny-sdxl-bf16-prepack.toml")
 

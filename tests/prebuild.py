@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main(artifacts: str, logs: str, *paths: str) -> None:
     from aotbuild.builder import build
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     for path in paths:
         target = load_target(path)

@@ -10,10 +10,12 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from aotbuild.bench import CASES, FIGURES, _eta, format_table, ratios_to_aot, report, summarize
+from aotbuild.benchmarking.harness import CASES, FIGURES, _eta
+from aotbuild.benchmarking.report import format_table, report
+from aotbuild.benchmarking.stats import ratios_to_aot, summarize
+from aotbuild.builder.targets import load_target
 from aotbuild.cli import main
 from aotbuild.runtime import extracted_package
-from aotbuild.targets import load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline
 
@@ -37,7 +39,7 @@ def test_ratios_are_paired_by_repetition():
 
 
 def test_report_and_table_format():
-    document = report(RECORDED, {"torch": "x"}, {"target": "t"})
+    document = report(RECORDED, {"torch": "x"}, {"target": "t"}, FIGURES)
     assert set(document) == {"meta", "environment", "figures", "runs", "summary", "ratio_to_aot"}
     assert document["summary"]["eager"]["first_step_s"]["median"] == pytest.approx(4.2)
     lines = format_table(document).splitlines()
@@ -73,7 +75,7 @@ def test_package_cache_is_safe_under_concurrent_extraction(built, tmp_path, monk
 
 
 def test_progress_says_the_time_left_from_each_cases_mean(monkeypatch):
-    monkeypatch.setattr("aotbuild.bench.time.perf_counter", lambda: 250.0)
+    monkeypatch.setattr("aotbuild.benchmarking.harness.time.perf_counter", lambda: 250.0)
     assert _eta(0.0, {"eager": 20.0, "compile": 0.0, "aot": 0.0}, 0, "compile", 3) == " (elapsed 4m10s)"
     # Before repetition 2's compile (eager has run twice, the others once; means 20, 200, 10 s):
     # compile and aot left in it, then a whole repetition: 210 + 230 s.
@@ -238,7 +240,7 @@ def test_component_bench_runs_every_runtime_on_the_pipelines_own_call(built, tmp
 
 
 def test_component_bench_refuses_what_it_cannot_time(tmp_path):
-    from aotbuild.peers import Peer
+    from aotbuild.benchmarking.peers import Peer
 
     def bench(*extra):
         return CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"),

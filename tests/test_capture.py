@@ -7,9 +7,9 @@ import inspect
 import pytest
 import torch
 
-from aotbuild.capture import capture_inputs, encode_prompt, recording
-from aotbuild.pipelines import pipeline_spec
-from aotbuild.targets import load_target
+from aotbuild.builder.capture import capture_inputs, encode_prompt, recording
+from aotbuild.builder.targets import load_target
+from aotbuild.spec.pipelines import pipeline_spec
 
 from .conftest import TARGETS, eager_pipeline
 

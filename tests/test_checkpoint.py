@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aotbuild.backends import parse_lora
 from aotbuild.errors import AotbuildError, IncompatibleArtifactError
-from aotbuild.recipes import FUSED_PROJECTIONS, dequantize_int8, int8_per_row
+from aotbuild.generation.backends import parse_lora
 from aotbuild.runtime.checkpoint import checkpoint_constants, module_tensors
 from aotbuild.runtime.lora import pop_scale
+from aotbuild.spec.recipes import FUSED_PROJECTIONS, dequantize_int8, int8_per_row
 
 from .conftest import ROOT
 
@@ -81,8 +81,8 @@ def test_a_config_key_is_compiled_unless_decided_otherwise():
     diffusers version, its folder) is never compared; a key one side lacks is the class default."""
     import diffusers
 
-    from aotbuild.pipelines import COMPILED_AT_DTYPE, COMPILED_VAES, VAE_DECODER, runtime_config_keys
     from aotbuild.runtime.checkpoint import checkpoint_config
+    from aotbuild.spec.pipelines import COMPILED_AT_DTYPE, COMPILED_VAES, VAE_DECODER, runtime_config_keys
 
     keys = {k for name in COMPILED_VAES for k in inspect.signature(getattr(diffusers, name).__init__).parameters}
     assert set(VAE_DECODER.runtime_config) <= keys  # every decided key is one a compiled VAE has
@@ -176,11 +176,31 @@ def test_the_runtime_imports_no_lora_or_build_code():
     assert result.stdout == "[] True\n"
 
 
-# The build side: what turns a target into an artifact. The runtime, and the spec layer both sides
-# read (targets' data, pipelines, shapes, manifests, recipes), import none of it, even lazily.
-BUILD_SIDE = {"builder", "capture", "export", "optimize", "regions", "targets", "backends", "bench",
-              "component_bench", "matrix", "cli", "serve", "peers", "cluster"}
-SPEC_LAYER = ("errors", "manifest", "pipelines", "vae_parts", "shapes", "recipes", "private_apis")
+# aotbuild/ has a folder per layer and per tool; each imports only from the folders below it,
+# anywhere in a file (lazy imports inside functions too): what the runtime imports decides cold
+# start and what a serving machine installs, and serving carries no benchmark. `aotbuild` itself
+# (the package root: errors and `__version__`) is below everything.
+LAYERS = {
+    "errors": set(),
+    "spec": {"errors"},
+    "runtime": {"errors", "spec"},
+    "builder": {"errors", "spec", "runtime"},
+    "generation": {"errors", "spec", "runtime", "builder"},
+    "fleet": {"errors", "spec", "runtime", "builder"},
+    "serving": {"errors", "spec", "runtime", "builder", "generation", "fleet"},
+    "benchmarking": {"errors", "spec", "runtime", "builder", "generation", "fleet", "serving"},
+    "cli": {"errors", "spec", "runtime", "builder", "generation", "fleet", "serving", "benchmarking"},
+}
+
+
+def _layer(module: str) -> str:
+    """The layer of `aotbuild.x.y` (a folder, or one of the top-level modules `errors` and `cli`)."""
+    return module.split(".")[1] if module.count(".") else "root"
+
+
+def _is_module(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
 
 
 def _imported(path) -> set[str]:
@@ -193,19 +213,27 @@ def _imported(path) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[:len(package) - node.level + 1]
             names = [node.module] if node.module else [alias.name for alias in node.names]
-            found |= {".".join((*base, *name.split("."))) for name in names}
+            modules = [".".join((*base, *name.split("."))) for name in names]
+            # `from .. import __version__` imports a name, not a module: count its package
+            found |= {m if _is_module(m) else m.rsplit(".", 1)[0] for m in modules}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             found |= {m for m in modules if m and m.startswith("aotbuild")}
     return found
 
 
-def test_the_runtime_and_the_spec_layer_import_nothing_from_the_build_side():
-    files = sorted((ROOT / "aotbuild" / "runtime").glob("*.py")) + [ROOT / "aotbuild" / f"{m}.py" for m in SPEC_LAYER]
-    crossing = {f"{path.relative_to(ROOT)} imports {module}" for path in files for module in _imported(path)
-                if module.split(".")[1:2] and module.split(".")[1] in BUILD_SIDE}
+def test_each_layer_imports_only_from_the_layers_below_it():
+    files = sorted((ROOT / "aotbuild").rglob("*.py"))
+    modules = {path: ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for path in files}
+    unplaced = {str(path.relative_to(ROOT)) for path, module in modules.items()
+                if _layer(module) not in LAYERS and module != "aotbuild"}
+    assert unplaced == set(), "a new folder or top-level module needs its row in LAYERS"
+    crossing = {f"{path.relative_to(ROOT)} imports {imported}" for path, module in modules.items()
+                if module != "aotbuild" for imported in _imported(path)
+                if _layer(imported) not in {*LAYERS[_layer(module)], _layer(module), "root"}}
     assert crossing == set()
-    assert "aotbuild.recipes" in _imported(ROOT / "aotbuild" / "runtime" / "checkpoint.py")  # the walk sees imports
+    assert "aotbuild.spec.recipes" in _imported(ROOT / "aotbuild" / "runtime" / "checkpoint.py")  # it sees imports
+    assert {_layer(module) for module in modules.values()} == {*LAYERS, "root"}  # every folder is read
 
 
 def _private_names(path) -> list[str]:
@@ -231,11 +259,11 @@ def _private_names(path) -> list[str]:
 
 
 def test_private_apis_are_reached_from_one_module():
-    """torch's, Ray's and diffusers' private names are used in `aotbuild/private_apis.py` only."""
+    """torch's, Ray's and diffusers' private names are used in `aotbuild/spec/private_apis.py` only."""
     reaching = {f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "aotbuild").rglob("*.py"))
                 if path.name != "private_apis.py" for name in _private_names(path)}
     assert reaching == set()
-    assert "torch.utils._pytree" in _private_names(ROOT / "aotbuild" / "private_apis.py")  # the walk sees them
+    assert "torch.utils._pytree" in _private_names(ROOT / "aotbuild" / "spec" / "private_apis.py")  # the walk sees them
 
 
 @pytest.mark.parametrize(("target_name", "fused_kinds"), [
@@ -245,8 +273,8 @@ def test_private_apis_are_reached_from_one_module():
 def test_lora_rows_land_where_fuse_qkv_put_their_projections(target_name, fused_kinds, tmp_path):
     """The merge into fused projections (no compile): the LoRA state's bound constants equal eager
     diffusers' own result of fusing the LoRA, then fusing QKV."""
+    from aotbuild.builder.targets import load_target
     from aotbuild.runtime.lora import LoraState
-    from aotbuild.targets import load_target
 
     from .conftest import TARGETS, eager_pipeline, make_lora
 

@@ -135,8 +135,8 @@ def test_run_an_artifact_img2img_without_guidance_prints_only_its_result(tmp_pat
 
     import numpy as np
 
-    from aotbuild.backends import generate
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
+    from aotbuild.generation.backends import generate
 
     target = load_target(TARGETS / "cpu-tiny-sd15.toml")
     built = build_once(tmp_path_factory, target)

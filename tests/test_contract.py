@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 import aotbuild
+from aotbuild.builder.targets import load_target
 from aotbuild.errors import AotbuildError, ShapeNotSupportedError
-from aotbuild.targets import load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import aotbuild
+from aotbuild.builder.targets import ShapeBucket, load_target
 from aotbuild.errors import ShapeNotSupportedError, TargetError
-from aotbuild.shapes import (
+from aotbuild.spec.shapes import (
     classify,
     failed_guard,
     infer_size,
@@ -18,7 +19,6 @@ from aotbuild.shapes import (
     solve,
     uncheckable_guard,
 )
-from aotbuild.targets import ShapeBucket, load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline, generate
 from .test_targets import GOOD, write_target
@@ -198,6 +198,13 @@ def test_text_length_is_a_shape(tmp_path_factory):
                                                      r"this call; compiled: 128-512, 512; this artifact covers: 64x64 "
                                                      r"px, 1-2 images, text length 512; "):
         generate(pipe, ShapeBucket(1, 64, 64), max_sequence_length=100)
+    # The server's check before it allocates anything decides the same, from the same coverage.
+    from aotbuild.serving.schema import covered
+
+    call = {"images": 1, "height": 32, "width": 96, "guidance_scale": 3.5, "frames": None}
+    assert covered(pipe, target.to_dict(), call, text=300) is None
+    assert covered(pipe, target.to_dict(), {**call, "height": 64, "width": 64}, text=100).startswith(
+        "no compiled variant makes 1 image(s) at 64x64 px with guidance at text length 100; this artifact covers: ")
 
 
 def test_probe_moves_batch_even_when_the_only_other_value_is_one():
@@ -216,9 +223,9 @@ def test_inputs_one_dim_spans_share_one_symbol_for_inductor():
     from diffusers import UNet2DConditionModel
     from torch.utils._sympy.functions import FloorDiv
 
-    from aotbuild import export
-    from aotbuild.private_apis import shape_env
-    from aotbuild.shapes import export_dynamic_shapes
+    from aotbuild.builder import export
+    from aotbuild.spec.private_apis import shape_env
+    from aotbuild.spec.shapes import export_dynamic_shapes
 
     folder = TARGETS / "configs" / "tiny-sdxl" / "unet"
     unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder)).eval()

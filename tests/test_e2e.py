@@ -20,11 +20,11 @@ import torch
 
 import aotbuild
 from aotbuild.builder import build, is_fresh
+from aotbuild.builder.targets import ShapeBucket
 from aotbuild.errors import CorruptArtifactError, IncompatibleArtifactError, ShapeNotSupportedError
-from aotbuild.manifest import read_manifest, sha256_file, verify_files
 from aotbuild.runtime import CompiledComponent, load_components
 from aotbuild.runtime.autoencoder import CompiledAutoencoderBase
-from aotbuild.targets import ShapeBucket
+from aotbuild.spec.manifest import read_manifest, sha256_file, verify_files
 
 from .conftest import ROOT, TARGETS, eager_pipeline, generate, mapped_from
 
@@ -135,7 +135,7 @@ def _replace_weights(folder, pipe):
     """Write `pipe`'s weights into the artifact under the exported FQNs."""
     from safetensors.torch import save_file
 
-    from aotbuild.vae_parts import VaeDecoderModule
+    from aotbuild.spec.vae_parts import VaeDecoderModule
 
     save_file({k: v.contiguous() for k, v in pipe.unet.state_dict().items()}, folder / "unet.safetensors")
     save_file({k: v.contiguous() for k, v in VaeDecoderModule(pipe.vae).state_dict().items()},
@@ -144,8 +144,8 @@ def _replace_weights(folder, pipe):
 
 def test_weights_are_really_bound_at_load(artifact_copy, tiny_target):
     """Other-seed weights in the same package reproduce the other seed's eager output."""
-    from aotbuild.capture import capture_inputs
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.builder.capture import capture_inputs
+    from aotbuild.spec.pipelines import pipeline_spec
 
     other = eager_pipeline(tiny_target, seed=1)
     original = eager_pipeline(tiny_target)
@@ -385,7 +385,7 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
     from aotbuild.builder.plan import plan_target
     from aotbuild.builder.validate import validate_artifact
     from aotbuild.errors import NumericsError
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.spec.pipelines import pipeline_spec
 
     spec = pipeline_spec(tiny_target.pipeline)
     specs = [spec.component(n) for n in tiny_target.components]
@@ -412,7 +412,7 @@ def test_a_denoising_loop_that_drifts_fails_the_build_though_each_call_is_within
     from aotbuild.builder.plan import plan_target
     from aotbuild.builder.validate import validate_loop
     from aotbuild.errors import NumericsError
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.spec.pipelines import pipeline_spec
 
     built = read_manifest(artifact_copy)
     assert built["validation"]["loop"]["steps"] == LOOP_STEPS and built["validation"]["loop"]["compared"] == \

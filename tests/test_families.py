@@ -22,14 +22,14 @@ from click.testing import CliRunner
 from PIL import Image
 
 import aotbuild
-from aotbuild.backends import generate
 from aotbuild.builder import build
-from aotbuild.capture import capture_prompt
+from aotbuild.builder.capture import capture_prompt
+from aotbuild.builder.targets import ShapeBucket, load_target
 from aotbuild.cli import main
 from aotbuild.errors import AotbuildError, BuildError, ShapeNotSupportedError, UnsupportedCallError
-from aotbuild.pipelines import UNCURATED, seeded_image
+from aotbuild.generation.backends import generate
 from aotbuild.runtime.load import UncuratedPipelineWarning
-from aotbuild.targets import ShapeBucket, load_target
+from aotbuild.spec.pipelines import UNCURATED, seeded_image
 
 from .conftest import ROOT, TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora
 

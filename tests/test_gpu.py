@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from aotbuild.cli import main
 from aotbuild.errors import AotbuildError, IncompatibleArtifactError, NoMatchingVariantError
-from aotbuild.hub import choose_variant
-from aotbuild.manifest import check_compatible, cuda_driver_version, environment, gpu_fits
 from aotbuild.runtime import load_components
+from aotbuild.runtime.hub import choose_variant
+from aotbuild.spec.manifest import check_compatible, cuda_driver_version, environment, gpu_fits
 
 from .conftest import build_once, generate
 
@@ -89,7 +89,7 @@ def test_cuda_graphs_need_a_cuda_device(built):
 @pytest.fixture(scope="module")
 def cuda_built(tmp_path_factory, tiny_target):
     """The tiny SDXL for this GPU in bfloat16 with fused QKV and TF32, graphs on (built and graph-checked once)."""
-    from aotbuild.targets import GpuSpec
+    from aotbuild.builder.targets import GpuSpec
 
     capability = "{}.{}".format(*torch.cuda.get_device_capability())
     target = dataclasses.replace(tiny_target, name="cuda-tiny-sdxl", device="cuda", dtype="bfloat16",

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 import aotbuild
 from aotbuild.cli import main
 from aotbuild.errors import CorruptArtifactError, HubError, NoMatchingVariantError
-from aotbuild.hub import model_card, parse_repo, push, resolve, variant_id
-from aotbuild.manifest import environment
+from aotbuild.runtime.hub import model_card, parse_repo, push, resolve, variant_id
+from aotbuild.spec.manifest import environment
 
 from .conftest import ROOT, TARGETS
 from .hubserver import FakeHub
@@ -103,7 +103,7 @@ def test_push_is_one_commit_with_lfs_index_and_card(hub, built):
 def test_hub_failures_say_what_to_check(hub, built):
     """A token the Hub refuses, a repo that is not there: each one line, with the token or the
     repo id as what to check (an unreachable Hub: the network and HF_HUB_OFFLINE)."""
-    from aotbuild.hub import push
+    from aotbuild.runtime.hub import push
 
     hub.token = TOKEN  # the Hub checks tokens: another is refused (401)
     with pytest.raises(HubError, match=f"push to {REPO} failed") as raised:
@@ -295,7 +295,7 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
     from huggingface_hub import HfApi
 
     from aotbuild.builder import build
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     from .conftest import eager_pipeline
 
@@ -390,8 +390,8 @@ def test_build_from_a_hub_source_then_load_it_online_and_offline(hub, tiny_targe
 
 
 def test_hub_weights_are_trusted_by_their_blob_name(hub, built):
-    from aotbuild.manifest import read_manifest
     from aotbuild.runtime import check_artifact_files
+    from aotbuild.spec.manifest import read_manifest
 
     push(built.folder, REPO)
     found = resolve(REPO, verify=False)

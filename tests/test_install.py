@@ -24,6 +24,6 @@ def test_the_wheel_needs_only_the_runtime_libraries(tmp_path):
     assert set(needs) == RUNTIME_NEEDS
     extras = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+).*; extra == \"(\w+)\"$", metadata, re.MULTILINE))
     assert {"torchao", "pytest", "ruff", "matplotlib", "peft"} <= set(extras)
-    assert {"aotbuild/runtime/load.py", "aotbuild/cli.py", "aotbuild/hub.py"} <= names
+    assert {"aotbuild/runtime/load.py", "aotbuild/cli.py", "aotbuild/runtime/hub.py"} <= names
     (torch,) = re.findall(r"^Requires-Dist: torch\b.*$", metadata, re.MULTILINE)
     assert torch == "Requires-Dist: torch>=2.13"  # no build pinned: users bring the torch that fits them

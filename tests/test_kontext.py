@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import aotbuild
+from aotbuild.builder.targets import load_target
 from aotbuild.errors import ShapeNotSupportedError
-from aotbuild.pipelines import exact_size, seeded_image
-from aotbuild.targets import load_target
+from aotbuild.spec.pipelines import exact_size, seeded_image
 
 from .conftest import TARGETS, TRANSFORMER_LORA_TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
 

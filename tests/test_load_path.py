@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 import aotbuild
+from aotbuild.builder.targets import ShapeBucket
 from aotbuild.errors import AotbuildError, CorruptArtifactError, SourceError
-from aotbuild.manifest import read_manifest
 from aotbuild.runtime import CompiledVariant, check_artifact_files, extracted_package, load_components, load_weights
 from aotbuild.runtime.variant import LoadContext
-from aotbuild.targets import ShapeBucket
+from aotbuild.spec.manifest import read_manifest
 
 from .conftest import eager_pipeline, generate
 
@@ -181,7 +181,7 @@ def test_loading_imports_no_pipeline_the_user_did_not_and_from_pipe_still_keeps_
 
 def test_artifact_of_a_local_source_records_no_path_and_asks_for_it(artifact_copy, tiny_target, tmp_path):
     """An artifact built from a local folder names it only; loading it elsewhere takes `source=`."""
-    from aotbuild.sources import recorded_source
+    from aotbuild.runtime.sources import recorded_source
 
     folder = tmp_path / "machine" / "my-sdxl"
     eager = eager_pipeline(tiny_target)
@@ -203,8 +203,8 @@ def test_artifact_of_a_local_source_records_no_path_and_asks_for_it(artifact_cop
 def test_cuda_host_code_targets_a_portable_baseline():
     from torch._inductor import config as inductor_config
 
+    from aotbuild.builder.export import MARCH_OPTION, inductor_options
     from aotbuild.errors import BuildError
-    from aotbuild.export import MARCH_OPTION, inductor_options
 
     assert MARCH_OPTION in inductor_config.get_config_copy()
     assert inductor_options({}, device="cuda")[MARCH_OPTION] == ""  # no -march flag: the compiler's baseline
@@ -216,7 +216,7 @@ def test_cuda_host_code_targets_a_portable_baseline():
 @pytest.fixture(scope="module")
 def built_baseline(tmp_path_factory):
     """cpu-tiny-sdxl-x86-64-v3: (its target, its build)."""
-    from aotbuild.targets import load_target
+    from aotbuild.builder.targets import load_target
 
     from .conftest import TARGETS, build_once
 
@@ -234,7 +234,7 @@ def test_a_cpu_baseline_build_runs_on_the_fleet_s_oldest_cpu_and_gives_eager_s_i
     baseline, so loading accepts any CPU with its flags (a -march=native build is refused on one
     where the build machine had more), and the images are eager's."""
     from aotbuild.errors import IncompatibleArtifactError
-    from aotbuild.manifest import check_compatible, environment
+    from aotbuild.spec.manifest import check_compatible, environment
 
     target, baseline = built_baseline
     manifest = read_manifest(baseline.folder)

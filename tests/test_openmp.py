@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aotbuild import openmp
+from aotbuild.runtime import openmp
 
 
 def _cpu_max(folder: Path, text: str) -> None:

@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
+from aotbuild.builder.capture import capture_inputs
 from aotbuild.builder.capturing import optimize_pipeline
-from aotbuild.capture import capture_inputs
+from aotbuild.builder.export import export_variant, inductor_options
+from aotbuild.builder.optimize import PASSES, adapt_example_inputs
+from aotbuild.builder.targets import load_target
 from aotbuild.errors import TargetError
-from aotbuild.export import export_variant, inductor_options
-from aotbuild.optimize import PASSES, adapt_example_inputs
-from aotbuild.pipelines import pipeline_spec
-from aotbuild.targets import load_target
+from aotbuild.spec.pipelines import pipeline_spec
 
 from .conftest import TARGETS, eager_pipeline
 from .test_targets import GOOD, write_target

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import aotbuild
+from aotbuild.builder.targets import ShapeBucket, load_target
 from aotbuild.errors import ShapeNotSupportedError
 from aotbuild.runtime import CompiledComponent
-from aotbuild.targets import ShapeBucket, load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline, generate, make_lora, mapped_from
 

@@ -17,11 +17,11 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import aotbuild
-from aotbuild.backends import prepare as prepare_backend
+from aotbuild.builder.targets import ShapeBucket
 from aotbuild.cli import main
 from aotbuild.errors import CorruptArtifactError
+from aotbuild.generation.backends import prepare as prepare_backend
 from aotbuild.runtime.prepared import OPERATORS, PreparedConstants, prepare, resolve, sources
-from aotbuild.targets import ShapeBucket
 
 from .conftest import TARGETS, eager_pipeline, generate, make_lora
 
@@ -206,8 +206,8 @@ def test_each_linear_weight_gets_the_packing_that_measures_faster(monkeypatch):
     """Of the packing inductor makes (for the rows at the export size) and the one for a single
     row, the build keeps the second only where it measures within the margin, by the times given
     here; the recipe records the choice, and the weight packed for one row computes the linear."""
-    from aotbuild import export
-    from aotbuild.optimize import inductor_flags
+    from aotbuild.builder import export
+    from aotbuild.builder.optimize import inductor_flags
 
     class TwoLinears(torch.nn.Module):
         def __init__(self):
@@ -288,8 +288,8 @@ def test_a_recipe_calls_the_operators_aotbuild_records_only():
 
 
 def test_a_packed_constant_is_bound_through_a_view_that_owns_nothing():
-    from aotbuild.private_apis import borrowed_mkldnn, mkldnn_memory
     from aotbuild.runtime.weights import Lender
+    from aotbuild.spec.private_apis import borrowed_mkldnn, mkldnn_memory
 
     weight = torch.randn(16, 8, 3, 3)
     packed = prepare(CONV_RECIPE, {"conv.weight": weight})
@@ -390,8 +390,8 @@ def test_a_frozen_compile_leaves_no_copy_of_the_weights_behind():
     and their packed copies a second time (10 GiB)."""
     import gc
 
-    from aotbuild import export
-    from aotbuild.optimize import inductor_flags
+    from aotbuild.builder import export
+    from aotbuild.builder.optimize import inductor_flags
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Flatten(),

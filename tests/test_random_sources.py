@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from aotbuild.targets import load_target
+from aotbuild.builder.targets import load_target
 
 from .conftest import ROOT, TARGETS
 

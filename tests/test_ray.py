@@ -24,10 +24,11 @@ from click.testing import CliRunner
 from PIL import Image
 from safetensors.torch import save_file
 
+from aotbuild.builder.targets import load_target
 from aotbuild.cli import main
 from aotbuild.errors import AotbuildError, UntrustedCodeError
-from aotbuild.serve import REQUEST_FIELDS, RequestError, parse_request, request
-from aotbuild.targets import load_target
+from aotbuild.serving.client import request
+from aotbuild.serving.schema import REQUEST_FIELDS, RequestError, parse_request
 
 from .conftest import ROOT, TARGETS, build_once, eager_pipeline, make_lora
 from .hubserver import FakeHub
@@ -84,7 +85,7 @@ def test_bad_requests_are_named(body, status, words):
 
 
 def test_openai_requests_become_the_servers_own():
-    from aotbuild.serve import openai_request
+    from aotbuild.serving.openai_api import openai_request
 
     body = {"model": "dall-e-3", "prompt": "a fox", "n": 2, "size": "96x64", "response_format": "b64_json",
             "user": "u1", "seed": 3, "lora": "ink"}
@@ -106,7 +107,7 @@ def test_openai_requests_become_the_servers_own():
 
 
 def test_serve_loras_are_named_and_found_before_anything_starts(tmp_path):
-    from aotbuild.serve import parse_adapters
+    from aotbuild.serving.slots import parse_adapters
 
     lora = tmp_path / "ink.safetensors"
     save_file({"unet.down_blocks.0.attentions.0.to_q.lora_A.weight": torch.zeros(2, 8)}, lora)
@@ -135,7 +136,7 @@ def test_the_load_bench_options_are_checked_before_anything_starts():
 def test_an_eager_video_server_is_held_to_the_largest_video_its_target_makes():
     """The eager and compile backends have no variants to check a request against: a video's frames
     count with its pixels, so 10,000 frames are refused before any latents are allocated."""
-    from aotbuild.serve import covered
+    from aotbuild.serving.schema import covered
 
     from .conftest import eager_pipeline
 
@@ -274,8 +275,8 @@ def test_matrix_builds_each_target_on_ray_and_fails_them_alone(matrix_run, ray_c
 
 @pytest.mark.slow
 def test_matrix_pushes_from_the_workers_to_one_repo(matrix_run, matrix_targets, monkeypatch):
-    from aotbuild.hub import variant_id
-    from aotbuild.manifest import environment
+    from aotbuild.runtime.hub import variant_id
+    from aotbuild.spec.manifest import environment
 
     shared, _ = matrix_run
     with FakeHub(token=TOKEN) as hub:
@@ -336,7 +337,7 @@ def finetune(tmp_path_factory, tiny_target) -> Path:
 
 @pytest.mark.slow
 def test_a_checkpoint_whose_compiled_config_differs_is_refused_before_replicas_start(built, tiny_target, tmp_path):
-    from aotbuild.serve import app
+    from aotbuild.serving.application import app
 
     pipe = eager_pipeline(tiny_target, seed=7)
     pipe.unet.register_to_config(norm_eps=1e-3)
@@ -356,7 +357,7 @@ def served(built, http_port, loras, finetune):
     and the checkpoint seed7 beside the artifact's own weights."""
     from ray import serve
 
-    from aotbuild.serve import app, deploy
+    from aotbuild.serving.application import app, deploy
 
     start = time.perf_counter()
     adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
@@ -414,8 +415,8 @@ def test_a_replica_starts_from_a_hub_artifact(served, built, http_port, monkeypa
     settings passed on) and serves the image the local folder serves."""
     from ray import serve
 
-    from aotbuild.hub import push
-    from aotbuild.serve import app, deploy
+    from aotbuild.runtime.hub import push
+    from aotbuild.serving.application import app, deploy
 
     body = {"prompt": "a red fox in the snow", "steps": 2, "seed": 11}
     with FakeHub(token=TOKEN) as hub:
@@ -481,7 +482,7 @@ def test_a_served_video_is_the_mp4_aotbuild_run_writes(tmp_path_factory, http_po
     import torch
     from ray import serve
 
-    from aotbuild.serve import app, deploy
+    from aotbuild.serving.application import app, deploy
 
     imageio = pytest.importorskip("imageio.v3")
     built = build_once(tmp_path_factory, load_target(TARGETS / "cpu-tiny-wan.toml"))
@@ -687,8 +688,8 @@ def test_img2img_and_inpainting_requests_equal_aotbuild_run(served, built, tmp_p
     with --image (and --mask) for the same fields."""
     import base64
 
-    from aotbuild.media import png_bytes
-    from aotbuild.pipelines import seeded_image
+    from aotbuild.generation.media import png_bytes
+    from aotbuild.spec.pipelines import seeded_image
 
     threads = _health(served)["threads"]
     picture, mask = seeded_image(64, 64), Image.new("L", (64, 64))
@@ -742,7 +743,7 @@ def test_load_with_adapter_churn_and_a_replica_killed_mid_load(served, built, lo
     its adapter makes alone, none lost, no 5xx, memory flat. Then the replica is killed mid-load:
     its requests are retried on the replica Serve starts in its place, none hangs, and the
     deployment serves again."""
-    from aotbuild.serve_load import run_load
+    from aotbuild.benchmarking.load import run_load
 
     body = {"prompt": "a red fox in the snow", "steps": 2, "seed": 3, "images": 1}
     bodies = [body, {**body, "lora": "ink"}, {**body, "lora": "oil"}]
@@ -812,7 +813,7 @@ def test_requests_for_an_adapter_go_to_the_replica_holding_it(built, http_port, 
     an adapter is answered by the replica holding it, and no adapter is loaded again."""
     from ray import serve
 
-    from aotbuild.serve import app, deploy
+    from aotbuild.serving.application import app, deploy
 
     adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
     deploy(app(str(built.folder), replicas=2, cpus=0.5, lora_slots=1, max_batch=1, loras=adapters), "routed",
@@ -838,7 +839,8 @@ def test_requests_for_an_adapter_go_to_the_replica_holding_it(built, http_port, 
 def test_load_bench_runs_each_phase_and_writes_its_figures(built, http_port, loras):
     """`aotbuild bench --load` at small size: unbatched, batched, LoRA churn and a replica killed,
     each with no request lost, no wrong image, and the figures written."""
-    from aotbuild.serve_load import SERVE_LOAD_NAME, bench_load, format_load_table
+    from aotbuild.benchmarking.load import SERVE_LOAD_NAME, bench_load
+    from aotbuild.benchmarking.report import format_load_table
 
     adapters = {"ink": (str(loras["ink"]), 0.8), "oil": (str(loras["oil"]), 1.0)}
     document = bench_load(str(TARGETS / "cpu-tiny-sdxl.toml"), built.artifacts, clients=3, requests=2, steps=2,
@@ -866,7 +868,7 @@ def test_autoscaling_from_one_replica_to_two_serves_from_both(served, built):
     """--autoscale 1:2: under a queue of requests Serve starts a second replica, and both answer
     with the same image for the same request."""
 
-    from aotbuild.serve import app, deploy
+    from aotbuild.serving.application import app, deploy
 
     start = time.perf_counter()
     deploy(app(str(built.folder), autoscale=(1, 2), cpus=0.5), "test", "/test")
@@ -947,8 +949,8 @@ def test_serve_command_serves_until_ctrl_c(built, ray_cluster, http_port):
 @pytest.mark.slow
 def test_replica_cold_start_bench_writes_its_figures(built, http_port):
     """The serve bench, aot against eager (compile, minutes here, is left to `aotbuild bench --serve`)."""
-    from aotbuild.bench import format_table
-    from aotbuild.serve import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
+    from aotbuild.benchmarking.replicas import SERVE_BENCH_NAME, SERVE_BENCH_RATIOS, bench_replicas
+    from aotbuild.benchmarking.report import format_table
 
     document = bench_replicas(str(TARGETS / "cpu-tiny-sdxl.toml"), built.artifacts, cases=("aot", "eager"),
                               repeats=1, steps=2, steady=1, port=http_port, cpus=0.5)

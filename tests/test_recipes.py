@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import aotbuild
-from aotbuild.capture import capture_inputs
-from aotbuild.pipelines import pipeline_spec
+from aotbuild.builder.capture import capture_inputs
+from aotbuild.builder.targets import ShapeBucket
 from aotbuild.runtime import load_components
-from aotbuild.targets import ShapeBucket
+from aotbuild.spec.pipelines import pipeline_spec
 
 from .conftest import eager_pipeline, generate
 
@@ -70,7 +70,7 @@ def test_lora_on_fused_qkv_channels_last_int8(built_int8, int8_target, tmp_path)
     """A LoRA on q/k/v (fused rows), the output projection and the resnets' convolutions (NHWC
     strides) of the int8 recipe: touched rows are dequantized, merged and quantized again, the
     others stay the build's bit for bit; compared with eager float32 running the same LoRA."""
-    from aotbuild.recipes import dequantize_int8, int8_per_row
+    from aotbuild.spec.recipes import dequantize_int8, int8_per_row
 
     from .conftest import make_lora
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import aotbuild
-from aotbuild import regions
+from aotbuild.builder import regions
+from aotbuild.builder.targets import Target, load_target
 from aotbuild.errors import AotbuildError, TargetError
-from aotbuild.targets import Target, load_target
 
 from .conftest import ROOT, TARGETS, build_once, eager_pipeline, make_lora
 
@@ -208,7 +208,7 @@ def test_compile_mode_is_read_and_refused_where_it_cannot_apply(tmp_path):
 
 
 def test_the_bench_compares_a_whole_target_with_its_regional_build():
-    from aotbuild.bench import regional_target
+    from aotbuild.benchmarking.harness import regional_target
 
     target = regional_target(load_target(TARGETS / "cpu-deep-flux.toml"))
     assert (target.name, target.compile_mode) == ("cpu-deep-flux-regional", "regional")
@@ -221,7 +221,7 @@ def test_the_bench_compares_a_whole_target_with_its_regional_build():
 @pytest.mark.slow
 def test_a_regional_artifact_travels_through_the_hub(monkeypatch, tmp_path_factory):
     """Pushed as one variant, resolved for this machine, loaded from hf://: the same image."""
-    from aotbuild.hub import push
+    from aotbuild.runtime.hub import push
 
     from .hubserver import FakeHub
 

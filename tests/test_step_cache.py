@@ -22,9 +22,9 @@ from diffusers.hooks import (
 )
 
 import aotbuild
-from aotbuild import regions
+from aotbuild.builder import regions
+from aotbuild.builder.targets import load_target
 from aotbuild.errors import UnsupportedCallError
-from aotbuild.targets import load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline, make_lora
 

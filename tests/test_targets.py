@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from aotbuild.builder.targets import Target, list_targets, load_target
 from aotbuild.cli import main
 from aotbuild.errors import AotbuildError, TargetError
-from aotbuild.targets import Target, list_targets, load_target
 
 from .conftest import TARGETS
 
@@ -63,8 +63,8 @@ def test_every_shipped_target_serves_the_pipelines_default_call():
 
     import diffusers
 
-    from aotbuild.pipelines import pipeline_spec
-    from aotbuild.sources import local_folder, read_configs
+    from aotbuild.runtime.sources import local_folder, read_configs
+    from aotbuild.spec.pipelines import pipeline_spec
 
     hub_defaults = {"StableDiffusionPipeline": 512}  # SD 1.5 base; SDXL, SD3 and Flux make 1024 px
     # CogVideoX's call defaults to its transformer's sample size: the 5B's 60x90 latents x 8, 13 x 4 + 1 frames.
@@ -321,7 +321,7 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
 
     import diffusers
 
-    from aotbuild.pipelines import FRAMES, PIPELINES, derived_spec
+    from aotbuild.spec.pipelines import FRAMES, PIPELINES, derived_spec
 
     for name, spec in PIPELINES.items():
         assert spec.makes_video == (FRAMES in inspect.signature(getattr(diffusers, name).__call__).parameters), name
@@ -335,7 +335,7 @@ def test_what_aotbuild_reads_of_diffusers_code_is_there_in_the_installed_diffuse
     import diffusers
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-    from aotbuild.private_apis import attributes_read, check_inputs_multiple, returned_classes
+    from aotbuild.spec.private_apis import attributes_read, check_inputs_multiple, returned_classes
 
     assert {name: check_inputs_multiple(getattr(diffusers, name)) for name in
             ("WanPipeline", "LTXPipeline", "StableDiffusionXLPipeline")} == {
@@ -345,7 +345,7 @@ def test_what_aotbuild_reads_of_diffusers_code_is_there_in_the_installed_diffuse
 
 
 def test_gpu_options_parse_and_reach_the_compile_options(tmp_path):
-    from aotbuild.export import MULTI_ARCH_OPTION, inductor_options
+    from aotbuild.builder.export import MULTI_ARCH_OPTION, inductor_options
 
     text = GOOD.replace('device = "cpu"', 'device = "cuda"\ngpu = { name = "A100", capability = "8.0", '
                                           'multi_arch = true }\ncuda_graphs = true')
@@ -400,7 +400,7 @@ def test_an_edited_images_encoder_is_exported_at_its_largest_call():
     """The VAE encoder of an editing pipeline gets a bucket per size its images are resized to;
     each is exported at the largest call it serves (its batch), as every bucket is."""
     from aotbuild.builder.plan import plan_target
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.spec.pipelines import pipeline_spec
 
     target = load_target(TARGETS / "cpu-tiny-qwen-image-edit-plus.toml")
     target = dataclasses.replace(target, dynamic={**target.dynamic, "batch": [1, 2]})

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import aotbuild
+from aotbuild.builder.targets import ShapeBucket, load_target
 from aotbuild.errors import (
     BuildError,
     CorruptArtifactError,
@@ -37,7 +38,6 @@ from aotbuild.errors import (
     UntrustedCodeError,
     WeightsMismatchError,
 )
-from aotbuild.targets import ShapeBucket, load_target
 
 from .conftest import ROOT, TARGETS, build_once, eager_pipeline, file_mappings, generate, make_lora
 
@@ -103,9 +103,9 @@ def test_load_state_dict_writes_the_bound_weights_as_eager_loads_them(family):
 def test_load_state_dict_goes_through_fused_int8_and_channels_last_weights(built_int8, int8_target):
     """Tensors named as the eager UNet names them land where fuse_qkv, int8 and channels_last put
     them: exactly the constants a whole checkpoint with those tensors makes (apply(weights=...))."""
-    from aotbuild.manifest import DTYPES
     from aotbuild.runtime import load_weights
     from aotbuild.runtime.checkpoint import checkpoint_constants, module_tensors
+    from aotbuild.spec.manifest import DTYPES
 
     pipe = aotbuild.load_pipeline(built_int8.folder)
     eager_unet = eager_pipeline(int8_target).unet
@@ -251,8 +251,8 @@ def test_the_plain_diffusers_call_of_a_denoiser_takes_its_defaults(tmp_path_fact
     """`pipe.unet(sample, t, encoder_hidden_states=..., added_cond_kwargs=...)` leaves out what the
     pipeline passes (timestep_cond, cross_attention_kwargs): the eager forward's defaults. A dict's
     keys in another order are the same inputs."""
-    from aotbuild import capture
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.builder import capture
+    from aotbuild.spec.pipelines import pipeline_spec
 
     for name, left_out in (("cpu-tiny-sdxl", ("timestep_cond", "cross_attention_kwargs")),
                            ("cpu-tiny-flux", ("joint_attention_kwargs",))):
@@ -505,8 +505,8 @@ def _fake_variant(path: str, target_env: dict, pipeline: str = "StableDiffusionX
 
 
 def test_several_fitting_targets_must_be_named_and_exact_kernels_beat_ptx():
-    from aotbuild.hub import choose_variant
-    from aotbuild.manifest import environment
+    from aotbuild.runtime.hub import choose_variant
+    from aotbuild.spec.manifest import environment
 
     here = environment("cpu")
     index = {"variants": [_fake_variant("sdxl-768/v", here), _fake_variant("sdxl-1024/v", here)]}
@@ -528,7 +528,7 @@ def test_a_hub_load_resolves_the_revision_once(built, monkeypatch):
     a push lands between them."""
     from huggingface_hub import HfApi
 
-    from aotbuild.hub import push, resolve
+    from aotbuild.runtime.hub import push, resolve
 
     from .hubserver import FakeHub
 
@@ -555,7 +555,7 @@ def test_a_hub_load_resolves_the_revision_once(built, monkeypatch):
 
 def _written_manifest(folder: Path, change=None) -> Path:
     """A manifest of the structure aotbuild writes (files present, hashed), changed by `change`."""
-    from aotbuild.manifest import environment, write_manifest
+    from aotbuild.spec.manifest import environment, write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -668,8 +668,10 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
 
     from starlette.requests import Request
 
-    from aotbuild import serve
-    from aotbuild.serve import MAX_BODY_BYTES, ImageServer, Ingress
+    from aotbuild.serving import schema
+    from aotbuild.serving.ingress import Ingress
+    from aotbuild.serving.replica import ImageServer
+    from aotbuild.serving.schema import MAX_BODY_BYTES
 
     server = ImageServer(str(built.folder))
     front = Ingress(LocalHandle(server))
@@ -745,7 +747,7 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
 
     prepare_latents = server.pipe.prepare_latents
     monkeypatch.setattr(server.pipe, "prepare_latents", internal)
-    with caplog.at_level(logging.ERROR, logger="aotbuild.serve"):
+    with caplog.at_level(logging.ERROR, logger="aotbuild.serving"):
         status, headers, body = call("POST", "/", b'{"prompt": "a fox", "steps": 1}')
     assert status == 500 and "internal shape bug" not in body.decode(), body
     assert any(headers["x-aotbuild-request"] in r.getMessage() and "internal shape bug" in r.getMessage()
@@ -760,7 +762,7 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
     answer = json.loads(body)
     assert status == 500 and answer["request"] == headers["x-aotbuild-request"] and answer["request"] in answer["error"]
     assert "secret" not in body.decode() and str(built.folder) not in body.decode()
-    assert serve.scrubbed(f"no artifact at {built.folder}/x") == "no artifact at <path>"
+    assert schema.scrubbed(f"no artifact at {built.folder}/x") == "no artifact at <path>"
 
     monkeypatch.setattr(server, "pipe", type("Pipe", (), {"device": torch.device("meta")})())
     status, _, body = call("GET", "/health")  # a device that computes nothing is a failed replica
@@ -810,7 +812,7 @@ def test_every_output_is_compared_with_a_max_and_an_l2_error():
 
 
 def test_export_context_is_entered_with_its_block():
-    from aotbuild import optimize
+    from aotbuild.builder import optimize
 
     context = optimize.export_context({"sdpa": "math"})
     assert torch.backends.cuda.flash_sdp_enabled()  # made, not entered: nothing changed yet
@@ -820,7 +822,7 @@ def test_export_context_is_entered_with_its_block():
 
 
 def test_tf32_is_set_for_a_block_and_restored():
-    from aotbuild.optimize import apply_tf32
+    from aotbuild.builder.optimize import apply_tf32
     from aotbuild.runtime.variant import tf32
 
     assert apply_tf32({}, True, "cuda") == {"enabled": True} and not torch.backends.cuda.matmul.allow_tf32
@@ -892,7 +894,7 @@ def test_a_swap_whose_second_rename_fails_puts_the_previous_artifact_back(tmp_pa
 
 
 def test_a_random_source_leaves_the_callers_random_state(tiny_target):
-    from aotbuild import sources
+    from aotbuild.runtime import sources
 
     torch.manual_seed(1234)
     expected = torch.rand(4)
@@ -959,7 +961,7 @@ def test_a_build_waiting_for_another_says_who_and_gives_up_after_wait(tiny_targe
 
 
 def test_a_hung_bench_process_is_stopped():
-    from aotbuild.bench import BenchError, _run_child
+    from aotbuild.benchmarking.harness import BenchError, _run_child
 
     start = time.perf_counter()
     with pytest.raises(BenchError, match=r"bench case x did not finish in 0.5 s and was stopped"):

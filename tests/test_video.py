@@ -17,10 +17,10 @@ from click.testing import CliRunner
 
 import aotbuild
 from aotbuild.builder import build
+from aotbuild.builder.targets import ShapeBucket, load_target
 from aotbuild.cli import main
 from aotbuild.errors import BuildError, ShapeNotSupportedError, TargetError
-from aotbuild.pipelines import seeded_image
-from aotbuild.targets import ShapeBucket, load_target
+from aotbuild.spec.pipelines import seeded_image
 
 from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
 from .test_targets import write_target

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import aotbuild
+from aotbuild.builder.targets import ShapeBucket
 from aotbuild.errors import AotbuildError, IncompatibleArtifactError, SourceError
-from aotbuild.targets import ShapeBucket
 
 from .conftest import eager_pipeline, generate, make_lora
 
@@ -141,8 +141,8 @@ def test_hotswap_replaces_an_adapter_in_place(built, tiny_target, loras):
 def test_a_switch_waits_for_the_running_call(built, tiny_target, loras):
     """A LoRA switch from another thread waits for the denoiser call in flight; that call finishes
     on the weights it started with, the next one runs on the new ones."""
-    from aotbuild.capture import capture_inputs
-    from aotbuild.pipelines import pipeline_spec
+    from aotbuild.builder.capture import capture_inputs
+    from aotbuild.spec.pipelines import pipeline_spec
 
     pipe = aotbuild.load_pipeline(built.folder)
     unet = pipe.unet

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import aotbuild
+from aotbuild.builder.targets import load_target
 from aotbuild.errors import WeightsMismatchError
-from aotbuild.targets import load_target
 
 from .conftest import TARGETS, build_once, eager_pipeline
 

@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
-from .. import capture, optimize, regions, sources
 from ..errors import BuildError
-from ..manifest import DTYPES
-from ..pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec
-from ..private_apis import pytree
-from ..targets import Target
+from ..runtime import sources
+from ..spec.manifest import DTYPES
+from ..spec.pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec
+from ..spec.private_apis import pytree
+from . import capture, optimize, regions
 from .context import Progress
 from .plan import CapturePoint, VariantPlan
+from .targets import Target
 
 
 def free_memory(device: torch.device) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..targets import Target
+from .targets import Target
 
 Progress = Callable[[str, str], None]
 

@@ -11,16 +11,17 @@ from typing import Any
 
 import torch
 
-from .. import capture, export, optimize, regions, shapes
 from ..errors import BuildError
-from ..manifest import sha256_file
-from ..pipelines import KEPT_MODULES, TEXT, ComponentSpec, plain_attribute
-from ..private_apis import fake_tensor_mode, pytree
 from ..runtime import leaf_signature, open_model
 from ..runtime.checkpoint import module_tensors
 from ..runtime.prepared import sources as prepared_sources
 from ..runtime.variant import leaf_name
 from ..runtime.weights import same_layout
+from ..spec import shapes
+from ..spec.manifest import sha256_file
+from ..spec.pipelines import KEPT_MODULES, TEXT, ComponentSpec, plain_attribute
+from ..spec.private_apis import fake_tensor_mode, pytree
+from . import capture, export, optimize, regions
 from .context import BuildContext
 from .plan import CapturePoint, VariantPlan
 

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import shapes
 from ..errors import BuildError
-from ..pipelines import (
+from ..spec import shapes
+from ..spec.pipelines import (
     FRAMEWISE_VAES,
     TEXT,
     ComponentSpec,
@@ -21,7 +21,7 @@ from ..pipelines import (
     resized_image,
     vae_factor,
 )
-from ..targets import ShapeBucket, Target, images_text
+from .targets import ShapeBucket, Target, images_text
 
 
 def variant_name(bucket: ShapeBucket) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import export, sources
-from ..manifest import environment
-from ..targets import Target
+from ..runtime import sources
+from ..spec.manifest import environment
+from . import export
+from .targets import Target
 
 
 def permuted_inputs(components: dict[str, Any]) -> bool:

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from .. import regions
 from ..errors import BuildError
-from ..pipelines import ComponentSpec
-from ..private_apis import pytree
+from ..spec.pipelines import ComponentSpec
+from ..spec.private_apis import pytree
+from . import regions
 from .context import BuildContext
 from .packaging import (
     compile_all,

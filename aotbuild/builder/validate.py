@@ -8,14 +8,14 @@ from typing import Any
 
 import torch
 
-from .. import optimize
 from ..errors import BuildError, NumericsError
-from ..manifest import sha256_file, validated_with_tf32, write_manifest
-from ..pipelines import PipelineSpec
-from ..private_apis import pytree
 from ..runtime import CompiledVariant, GraphPool, load_weights
 from ..runtime.regional import component_variants
 from ..runtime.variant import LoadContext
+from ..spec.manifest import sha256_file, validated_with_tf32, write_manifest
+from ..spec.pipelines import PipelineSpec
+from ..spec.private_apis import pytree
+from . import optimize
 from .capturing import Loop
 from .plan import CapturePoint, VariantPlan
 

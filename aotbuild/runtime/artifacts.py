@@ -19,14 +19,14 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
     `variant`: a target name or a variant path) in the HF cache, downloading only that variant
     (`manifest_only`: its manifest); `verify` hashes its every file (loading checks them its own way)."""
     if isinstance(artifact, str) and artifact.startswith("hf://"):
-        from ..hub import resolve
+        from .hub import resolve
 
         resolved = resolve(artifact, device=device, dtype=dtype, pipeline=pipeline, verify=verify, variant=variant,
                            manifest_only=manifest_only)
         return resolved.folder, resolved
     folder = Path(artifact)
     if not folder.exists():
-        from ..sources import hub_id_form
+        from .sources import hub_id_form
 
         text = os.fspath(artifact)
         hub_like = hub_id_form(text)
@@ -40,7 +40,7 @@ def artifact_folder(artifact: str | os.PathLike, *, device: str | None = None, d
 def built_artifact(name: str, artifacts_dir: Path) -> Path:
     """The artifact folder of the target `name` in `artifacts_dir`; an error saying how to build it
     when there is none (read before anything is imported or loaded)."""
-    from ..manifest import MANIFEST_NAME
+    from ..spec.manifest import MANIFEST_NAME
 
     folder = artifacts_dir / name
     if not (folder / MANIFEST_NAME).is_file():

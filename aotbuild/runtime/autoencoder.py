@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError, MissingAttributeError, UnsupportedCallError
-from ..pipelines import FRAMEWISE_VAES, vae_factor
-from ..private_apis import IncompatibleKeys
+from ..spec.pipelines import FRAMEWISE_VAES, vae_factor
+from ..spec.private_apis import IncompatibleKeys
 from .checkpoint import module_tensors
 from .component import CompiledComponent, Config, key_differences
 from .guards import StandIn

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AotbuildError, CorruptArtifactError
-from ..manifest import check_file, sha256_file
+from ..spec.manifest import check_file, sha256_file
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 COMPLETE = ".complete"  # written last into an extraction: an entry without it is not trusted

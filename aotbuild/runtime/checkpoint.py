@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError, WeightsMismatchError
-from ..recipes import FUSED_PROJECTIONS, QuantScheme, rebuildable, runtime_scheme
+from ..spec.recipes import FUSED_PROJECTIONS, QuantScheme, rebuildable, runtime_scheme
 from .weights import dtype_name, same_layout
 
 QUANTIZED = ".parametrizations.weight.original"  # torchao's unwrapped subclass: original0 data, original1 scale

@@ -20,9 +20,9 @@ from ..errors import (
     UnsupportedCallError,
     WeightsMismatchError,
 )
-from ..manifest import DTYPES
-from ..pipelines import pipeline_spec
-from ..private_apis import IncompatibleKeys
+from ..spec.manifest import DTYPES
+from ..spec.pipelines import pipeline_spec
+from ..spec.private_apis import IncompatibleKeys
 from . import step_cache
 from .checkpoint import QUANTIZED, module_tensors, placed_writes, placement, quant_scheme
 from .guards import StandIn, check_autocast

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..pipelines import TEXT, frames_around
+from ..spec.pipelines import TEXT, frames_around
 
 
 def _images(low: int, high: int, what: str = "image") -> str:

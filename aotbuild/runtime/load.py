@@ -23,8 +23,7 @@ from ..errors import (
     SourceError,
     TargetError,
 )
-from ..hub import check_trusted
-from ..manifest import (
+from ..spec.manifest import (
     DTYPES,
     check_compatible,
     check_libraries,
@@ -33,7 +32,7 @@ from ..manifest import (
     sha256_file,
     validated_with_tf32,
 )
-from ..pipelines import PipelineSpec, pipeline_spec, runtime_config_keys
+from ..spec.pipelines import PipelineSpec, pipeline_spec, runtime_config_keys
 from .artifacts import artifact_folder
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
@@ -42,6 +41,7 @@ from .component import CompiledComponent
 from .default_size import serve_default_size, set_pipeline_default_size
 from .graphs import GraphPool
 from .guards import install_pipeline_guards
+from .hub import check_trusted
 from .lora import lora_component_class
 from .regional import RegionalComponent, component_variants
 from .variant import LoadContext
@@ -377,8 +377,8 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
         IncompatibleArtifactError (PrecisionError: `weights` stored in another dtype, and `dtype`
         not given), CorruptArtifactError, SourceError, UntrustedCodeError, NoMatchingVariantError.
     """
-    from ..sources import assemble_pipeline, component_classes
-    from ..sources import load_components as load_source_components
+    from .sources import assemble_pipeline, component_classes
+    from .sources import load_components as load_source_components
 
     check_trusted(artifact, trust_remote_code)
     folder, _ = artifact_folder(artifact, device=device, dtype=dtype, variant=variant)
@@ -418,7 +418,7 @@ def check_checkpoint(manifest: dict[str, Any], folder: Path, named: str | None =
         WeightsMismatchError: a compiled config key that differs, named with both values.
         PrecisionError: weights stored in another dtype, not accepted by `dtype`.
     """
-    from ..sources import component_classes, stored_dtype
+    from .sources import component_classes, stored_dtype
 
     named = named or os.fspath(folder)
 
@@ -440,7 +440,7 @@ def check_checkpoint(manifest: dict[str, Any], folder: Path, named: str | None =
 def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set[str]) -> Path:
     """A user's source: a local diffusers folder, or a Hub id with an optional @revision,
     downloaded without the `skip` components' weights."""
-    from ..sources import hub_id_form, resolve_folder
+    from .sources import hub_id_form, resolve_folder
 
     text = os.fspath(text)
     if Path(text).expanduser().is_file():
@@ -457,7 +457,7 @@ def _resolve_source(text: str | os.PathLike, manifest: dict[str, Any], skip: set
 def _source_folder(manifest: dict[str, Any], artifact: Path, source: str | os.PathLike | None,
                    skip: set[str]) -> tuple[Path, int | None]:
     """(diffusers folder of the components not compiled, random seed or None)."""
-    from ..sources import SOURCE_DIRNAME, is_local_record, is_random, resolve_folder
+    from .sources import SOURCE_DIRNAME, is_local_record, is_random, resolve_folder
 
     target, recorded = manifest["target"], manifest["source"]
     dtype = target["dtype"]

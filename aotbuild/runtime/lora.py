@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError
-from ..private_apis import accept_compiled_class
-from ..recipes import runtime_scheme
+from ..spec.private_apis import accept_compiled_class
+from ..spec.recipes import runtime_scheme
 from .checkpoint import QUANTIZED, child, module_tensors, placement
 from .guards import model_mixin_refusals
 

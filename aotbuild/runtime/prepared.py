@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptArtifactError
-from ..private_apis import versions
+from ..spec.private_apis import versions
 
 # The operators a recipe may call, as the build records them: what freezing folds into a weight's
 # prepared form (a layout, a dtype, oneDNN's packing, a constant folded into a convolution), and

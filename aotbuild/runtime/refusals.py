@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..pipelines import EDITS_SEVERAL, FRAMES, SIZED_BY_IMAGE, TEXT
-from ..private_apis import pytree, running_pipeline_call
-from ..shapes import polynomial
+from ..spec.pipelines import EDITS_SEVERAL, FRAMES, SIZED_BY_IMAGE, TEXT
+from ..spec.private_apis import pytree, running_pipeline_call
+from ..spec.shapes import polynomial
 from .coverage import span, text_lengths, uncovered, variant_coverage
 from .variant import CompiledVariant, leaf_name
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import AotbuildError, CorruptArtifactError
-from ..private_apis import pytree
+from ..spec.private_apis import pytree
 from . import step_cache
 from .component import CompiledComponent
 from .lora import meta_model

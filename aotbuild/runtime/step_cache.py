@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedCallError
-from ..private_apis import block_registry
+from ..spec.private_apis import block_registry
 from .lora import meta_model
 
 REGIONAL_HINT = ('build the target with [compile] mode = "regional": its blocks are compiled and diffusers\' '

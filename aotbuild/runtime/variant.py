@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..errors import CorruptArtifactError, LossyInputError
-from ..private_apis import aoti_runner, pytree
-from ..shapes import failed_guard, infer_size, relations_hold, solve, uncheckable_guard
+from ..spec.private_apis import aoti_runner, pytree
+from ..spec.shapes import failed_guard, infer_size, relations_hold, solve, uncheckable_guard
 from .cache import extracted_package
 from .graphs import CudaGraph, GraphPool
 from .prepared import PreparedConstants

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptArtifactError
-from ..private_apis import borrowed_mkldnn, mkldnn_memory, storage_at
+from ..spec.private_apis import borrowed_mkldnn, mkldnn_memory, storage_at
 
 
 def dtype_name(dtype: torch.dtype) -> str:

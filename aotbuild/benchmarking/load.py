@@ -15,7 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from .errors import AotbuildError
+from ..errors import AotbuildError
+from .stats import percentile
 
 LOAD_FIGURES = {
     "p50_s": "request latency, median", "p95_s": "95th percentile", "p99_s": "99th percentile",
@@ -23,17 +24,6 @@ LOAD_FIGURES = {
     "lost": "requests with no answer within the timeout (or a broken connection)",
     "server_errors": "5xx answers", "statuses": "answers by HTTP status",
 }
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation between the closest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("no values")
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def run_load(url: str, bodies: list[dict[str, Any]], *, clients: int, requests: int, timeout: float = 300,
@@ -49,7 +39,7 @@ def run_load(url: str, bodies: list[dict[str, Any]], *, clients: int, requests: 
     Raises:
         AotbuildError: bad arguments.
     """
-    from .serve import request
+    from ..serving.client import request
 
     if clients < 1 or requests < 1 or not bodies:
         raise AotbuildError("a load needs at least 1 client, 1 request each and 1 body")
@@ -149,13 +139,14 @@ def bench_load(target_path: str, artifacts_dir: Any, *, clients: int = 4, reques
 
     from ray import serve
 
-    from .backends import call_defaults
-    from .bench import write_document
-    from .cluster import ray_session
-    from .manifest import environment
-    from .runtime.artifacts import built_artifact
-    from .serve import app, deploy, request
-    from .targets import load_target
+    from ..builder.targets import load_target
+    from ..fleet.cluster import ray_session
+    from ..generation.backends import call_defaults
+    from ..runtime.artifacts import built_artifact
+    from ..serving.application import app, deploy
+    from ..serving.client import request
+    from ..spec.manifest import environment
+    from .report import write_document
 
     say = progress or (lambda message: None)
     target = load_target(target_path)
@@ -249,16 +240,3 @@ def _same_image_as(reference: dict[str | None, bytes]) -> Callable[..., None]:
     return check
 
 
-def format_load_table(document: dict[str, Any]) -> str:
-    """One row per phase: latency percentiles, throughput, lost and 5xx answers, memory."""
-    lines = [f"{'phase':<16}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}{'req/s':>8}{'ok':>5}{'lost':>6}{'5xx':>5}"
-             f"{'wrong':>6}{'batch':>6}{'RSS MiB before -> after':>26}"]
-    def seconds(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    for name, p in document["phases"].items():
-        memory = f"{p['rss_before_mib']:.0f} -> {p['rss_after_mib']:.0f}"
-        lines.append(f"{name:<16}{seconds(p['p50_s']):>8}{seconds(p['p95_s']):>8}{seconds(p['p99_s']):>8}"
-                     f"{p['throughput_rps']:>8.2f}{p['answered_ok']:>5}{p['lost']:>6}{p['server_errors']:>5}"
-                     f"{len(p['wrong']):>6}{p['largest_batch']:>6}{memory:>26}")
-    return "\n".join(lines)

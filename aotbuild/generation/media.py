@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import AotbuildError
+from ..errors import AotbuildError
 
 VIDEO_FPS = 16  # Wan's frame rate, for pipelines whose call names none
 MAX_PICTURE_PIXELS = 4096 * 4096  # a picture taken in, checked from its header before it is decoded

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from .errors import AotbuildError
-from .pipelines import (
+from ..builder.targets import Target
+from ..errors import AotbuildError
+from ..runtime.artifacts import built_artifact
+from ..spec.pipelines import (
     EDITS_SEVERAL,
     FRAMES,
     SIZED_BY_IMAGE,
@@ -27,8 +29,6 @@ from .pipelines import (
     per_prompt,
     requires_image,
 )
-from .runtime.artifacts import built_artifact
-from .targets import Target
 
 BACKENDS = ("aot", "eager", "compile")
 DEFAULT_STEPS = 4
@@ -149,9 +149,9 @@ def prepare_artifact(artifact: str, *, cuda_graphs: bool | None = None, weights:
     """A ready pipeline for an artifact folder or `hf://org/name[@revision]` (no target file
     needed; a Hub artifact's native code is loaded only with `trust_remote_code`), and the target
     its manifest records. `dtype`: as `load_pipeline`'s."""
-    from .hub import check_trusted
-    from .manifest import read_manifest
-    from .runtime import artifact_folder, load_pipeline
+    from ..runtime import artifact_folder, load_pipeline
+    from ..runtime.hub import check_trusted
+    from ..spec.manifest import read_manifest
 
     check_trusted(artifact, trust_remote_code)
     folder, _ = artifact_folder(artifact, variant=variant, dtype=dtype)
@@ -173,8 +173,8 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
         raise AotbuildError(f"--weights and --lora run the artifact (--backend aot), not {backend}: the eager and "
                             f"compile backends run the target's own pipeline")
     if backend == "aot":
-        from .runtime import load_pipeline
-        from .sources import is_random, local_folder
+        from ..runtime import load_pipeline
+        from ..runtime.sources import is_random, local_folder
 
         # An artifact names a local source by its name only: the target knows where it is.
         source = None if is_random(target.source) or weights is not None else local_folder(target.source,
@@ -183,9 +183,9 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
                              weights=weights, dtype=dtype)
         load_loras(pipe, list(loras))
     elif backend in ("eager", "compile"):
-        from .builder import check_device
-        from .builder.capturing import load_source_pipeline, optimize_pipeline
-        from .pipelines import pipeline_spec
+        from ..builder.capturing import load_source_pipeline, optimize_pipeline
+        from ..builder.flow import check_device
+        from ..spec.pipelines import pipeline_spec
 
         check_device(target)
         spec = pipeline_spec(target.pipeline)
@@ -206,8 +206,8 @@ def prepare(target: Target, backend: str, artifacts_dir: Path, *, cuda_graphs: b
 
 def compile_options(target: Target) -> dict[str, Any]:
     """torch.compile's inductor options for the target: the build's, less the AOT-only packaging ones."""
-    from .export import FREEZING_OPTION, WEIGHTLESS_OPTIONS, inductor_options
-    from .optimize import inductor_flags
+    from ..builder.export import FREEZING_OPTION, WEIGHTLESS_OPTIONS, inductor_options
+    from ..builder.optimize import inductor_flags
 
     options = inductor_options(target.inductor, inductor_flags(target.optimize), cpu_baseline=target.cpu_baseline)
     # Without freezing too: torch.compile would bake the weights it first saw into its code, and
@@ -259,7 +259,7 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
         # checkpoint's pipeline takes the mask itself).
         needed = "mask_image" if mask is not None else "image"
         if needed not in inspect.signature(type(pipe).__call__).parameters:
-            from .runtime.load import quiet_libraries
+            from ..runtime.load import quiet_libraries
 
             with quiet_libraries():
                 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .errors import TargetError
+from ..errors import TargetError
+from ..spec.manifest import DTYPES
+from ..spec.private_apis import pytree, unwrap_tensor_subclasses
+from ..spec.recipes import QUANT_RECIPES, capability
 from .export import FREEZING_OPTION
-from .manifest import DTYPES
-from .private_apis import pytree, unwrap_tensor_subclasses
-from .recipes import QUANT_RECIPES, capability
 
 Modules = dict[str, torch.nn.Module]  # component name -> the pipeline module it compiles
 

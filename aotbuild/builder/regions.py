@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from ..errors import BuildError
+from ..runtime.variant import leaf_signature
+from ..spec.private_apis import pytree
 from .capture import CapturedCall, detached, patched_methods
-from .errors import BuildError
-from .private_apis import pytree
-from .runtime.variant import leaf_signature
 
 # Denoisers whose diffusers class declares no `_repeated_blocks` (diffusers 0.42.1).
 REPEATED_BLOCKS: dict[str, tuple[str, ...]] = {"SD3Transformer2DModel": ("JointTransformerBlock",)}

@@ -1,5 +1,8 @@
 """torch.export + AOTInductor for one component: one compiled model per shape variant, all in one
-weight-less .pt2 package, plus the exact constants that package binds at load."""
+weight-less .pt2 package, plus the exact constants that package binds at load.
+
+Just over 500 lines: the export, the compile options and the prepacking they depend on change
+together (a packing inductor does not make is made here because of an option set here)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import shapes
-from .errors import AotbuildError, BuildError
-from .private_apis import (
+from ..errors import AotbuildError, BuildError
+from ..spec import shapes
+from ..spec.private_apis import (
     aot_compile,
     cuda_compiler,
     declare_equal_sizes,
@@ -371,7 +374,7 @@ def _median_seconds(call: Callable[[], Any], repeats: int = 7) -> float:
 def _fold_step(node: torch.fx.Node) -> dict[str, Any]:
     """The graph node freezing replaces by a constant, as a recipe step (`runtime.prepared`):
     constants it reads are `{"constant": name}` until `_inlined` resolves them."""
-    from .runtime.prepared import OPERATORS, resolve
+    from ..runtime.prepared import OPERATORS, resolve
 
     if node.op == "get_attr":
         return {"constant": node.target}

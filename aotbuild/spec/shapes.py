@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .errors import BuildError
+from ..errors import BuildError
 from .pipelines import TEXT
 from .private_apis import pytree
 

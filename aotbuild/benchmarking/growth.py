@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import AotbuildError
+from ..errors import AotbuildError
 
 GROWTH_FIGURES = {
     "parameters": "the compiled components' parameters (their stored constants' bytes / their dtype's size)",
@@ -46,11 +46,11 @@ def measure_growth(targets: list[str], artifacts_dir: Path, component: str) -> d
         AotbuildError: fewer than two targets, a target not built, or one that does not compile
             the component.
     """
-    from .bench import write_document
-    from .component_bench import component_bench_name
-    from .manifest import read_manifest
-    from .runtime.artifacts import built_artifact
-    from .targets import load_target
+    from ..builder.targets import load_target
+    from ..runtime.artifacts import built_artifact
+    from ..spec.manifest import read_manifest
+    from .component import component_bench_name
+    from .report import write_document
 
     if len(targets) < 2:
         raise AotbuildError("--growth compares two targets or more: give them comma-separated")
@@ -97,40 +97,12 @@ def _against_first(rows: list[dict[str, Any]], key: str, value: Any) -> None:
         row[key] = value(row) / first
 
 
-def format_growth_table(document: dict[str, Any]) -> str:
-    """The builds against their size, then the calls against their work."""
-    def cell(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    component = document["meta"]["component"]
-    lines = [f"builds against their size ({component}'s compile; x first: per parameter, per weight byte)",
-             f"{'target':<28}{'parameters':>14}{'weights GiB':>12}{'build s':>9}{'compile s':>10}"
-             f"{'peak RSS GiB':>13}{'s/param x first':>16}{'RSS/byte x first':>17}"]
-    for b in document["builds"]:
-        rss = b["peak_rss_mib"] and b["peak_rss_mib"] / 1024
-        lines.append(f"{b['target']:<28}{b['parameters']:>14,}{b['weights_mib'] / 1024:>12.2f}{b['build_s']:>9.0f}"
-                     f"{cell(b['compile_s'], '.0f'):>10}{cell(rss, '.1f'):>13}"
-                     f"{b['build_s_per_parameter_vs_first']:>16.2f}"
-                     f"{cell(b.get('rss_per_weight_byte_vs_first'), '.2f'):>17}")
-    if document["calls"]:
-        cases = sorted(set().union(*(c["call_s"] for c in document["calls"])))
-        lines += ["", f"{component}'s call against its work (seconds; x first: seconds per GFLOP against the first "
-                      "row)",
-                  f"{'target':<28}{'shape':>12}{'GFLOP':>9}"
-                  + "".join(f"{case + ' s':>16}{'x first':>9}" for case in cases)]
-        for c in document["calls"]:
-            lines.append(f"{c['target']:<28}{c['shape']:>12}{c['gflop']:>9.0f}" + "".join(
-                f"{cell(c['call_s'].get(case), '.2f'):>16}{cell(c['s_per_gflop_vs_first'].get(case), '.2f'):>9}"
-                for case in cases))
-    return "\n".join(lines)
-
-
 def plot_growth(document: dict[str, Any], path: Path) -> None:
     """Two panels: each runtime's call time against the call's GFLOP (log-log, with the line of
     time proportional to work through the first point; where two targets or more were timed), and
     the build's time and peak RSS against the parameters compiled (per target where the targets are
     one model at several sizes)."""
-    from .bench import pyplot
+    from .report import pyplot
 
     plt = pyplot()
     timed = len(document["calls"]) > 1  # a call timed at one target alone has nothing to grow against

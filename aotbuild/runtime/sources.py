@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import SourceError
-from .pipelines import PipelineSpec
+from ..errors import SourceError
+from ..spec.pipelines import PipelineSpec
 
 RANDOM_PREFIX = "random:"
 LOCAL_PREFIX = "local:"  # how a manifest names a local folder source: by its name, never its path
@@ -70,7 +70,7 @@ def folder_fingerprint(folder: Path) -> str:
     """sha256 over each file's path in the folder and its sha256 (hidden files left out)."""
     import hashlib
 
-    from .runtime.cache import file_sha256
+    from .cache import file_sha256
 
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):

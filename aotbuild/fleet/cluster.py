@@ -1,4 +1,4 @@
-"""What the build matrix (matrix.py) and serving (serve.py) share about Ray: joining or starting
+"""What the build matrix (`fleet.matrix`) and serving (`serving`) share about Ray: joining or starting
 a cluster, the resources a GPU kind is asked for by, and the settings a worker needs from the
 driver's environment. Ray is the optional extra `aotbuild[ray]`; nothing here imports it at load."""
 
@@ -10,8 +10,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import AotbuildError
-from .private_apis import ray_started_head
+from ..errors import AotbuildError
+from ..spec.private_apis import ray_started_head
 
 # What a worker on another node needs from the driver's environment to reach the same Hub.
 FORWARDED_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET", "HF_HUB_OFFLINE")

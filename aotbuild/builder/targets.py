@@ -3,7 +3,10 @@ then trusted; `Target.to_dict()` is the JSON form stored in the manifest and rou
 
 Importing this module imports no torch: finding a target by name, listing the folder (`describe`)
 and their errors answer at once; validating one (`parse_target`) imports the compile options and
-the diffusers classes it checks against."""
+the diffusers classes it checks against.
+
+Over 500 lines, as one module: the target file's whole schema (every table, key and check, one
+small function per table) is read in one place."""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import SourceError, TargetError
-from .manifest import DTYPE_NAMES as DTYPES
-from .pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, pipeline_spec
+from ..errors import SourceError, TargetError
+from ..spec.manifest import DTYPE_NAMES as DTYPES
+from ..spec.pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, pipeline_spec
 
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
@@ -107,7 +110,7 @@ class Target:
     @property
     def stride(self) -> int:
         """Height and width must be multiples of this many pixels."""
-        from .sources import pixel_stride
+        from ..runtime.sources import pixel_stride
 
         return pixel_stride(pipeline_spec(self.pipeline), self.source, self.base_dir)
 
@@ -154,7 +157,7 @@ def default_targets_dir() -> Path:
     local = Path.cwd() / "targets"
     if local.is_dir():
         return local
-    return Path(__file__).resolve().parent.parent / "targets"
+    return Path(__file__).resolve().parents[2] / "targets"  # aotbuild/builder/targets.py -> the repository
 
 
 def is_target_name(text: str) -> bool:
@@ -232,7 +235,7 @@ def stride_of(raw: dict[str, Any], base_dir: Path) -> int | None:
     read before the file is validated (validation reads the diffusers classes: seconds), so that a
     size the model cannot make is refused at once. None where the file does not name a pipeline and
     a source plainly: `load_target` says why."""
-    from .sources import pixel_stride
+    from ..runtime.sources import pixel_stride
 
     pipeline, source = raw.get("pipeline"), raw.get("source")
     if not (isinstance(pipeline, str) and isinstance(source, str)):
@@ -289,7 +292,7 @@ def _choice(origin: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     """Validate raw TOML data into a Target; every error names `origin` and the offending key."""
-    from .sources import max_pixels, pixel_stride
+    from ..runtime.sources import max_pixels, pixel_stride
 
     unknown = sorted(set(raw) - set(TOP_LEVEL_KEYS))
     if unknown:
@@ -578,7 +581,7 @@ def _edited_images(origin: str, key: str, value: Any, spec: Any) -> tuple[tuple[
 
 
 def _frame_stride(spec: Any, source: str, base_dir: Path, origin: str) -> int:
-    from .sources import from_configs
+    from ..runtime.sources import from_configs
 
     try:  # a Hub source's configs are not read here: the build checks its frames against the pipeline's
         return from_configs(source, base_dir, frame_stride, 1)

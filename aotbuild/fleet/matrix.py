@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import AotbuildError
-from .targets import Target
+from ..builder.targets import Target
+from ..errors import AotbuildError
 
 # (target name, stage, message): a build's progress, tagged with its target.
 MatrixProgress = Callable[[str, str, str], None]
@@ -46,9 +46,9 @@ def build_one(target: Target, artifacts_dir: Path, *, force: bool = False, allow
               push_repo: str | None = None, wait: float | None = None,
               progress: MatrixProgress | None = None) -> MatrixRow:
     """Build (or find fresh) one target and push it when asked; every failure is the row's error."""
-    from .builder import build
-    from .hub import parse_repo, push
-    from .manifest import MANIFEST_NAME, sha256_file
+    from ..builder.flow import build
+    from ..runtime.hub import parse_repo, push
+    from ..spec.manifest import MANIFEST_NAME, sha256_file
 
     node = socket.gethostname()
     start = time.perf_counter()
@@ -174,7 +174,7 @@ def _run_on_ray(targets: list[Target], artifacts_dir: Path, cpus: float, options
 def _check_shared(row: MatrixRow, artifacts_dir: Path) -> MatrixRow:
     """A row whose artifact this machine cannot see (another node's disk) fails: without --push
     the artifacts folder must be storage every node shares."""
-    from .manifest import MANIFEST_NAME, sha256_file
+    from ..spec.manifest import MANIFEST_NAME, sha256_file
 
     if row.failed:
         return row

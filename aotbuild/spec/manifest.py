@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from .errors import CorruptArtifactError, IncompatibleArtifactError
+from ..errors import CorruptArtifactError, IncompatibleArtifactError
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,7 @@ def validated_with_tf32(manifest: dict[str, Any]) -> bool:
 
 
 def aotbuild_version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 

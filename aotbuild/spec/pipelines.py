@@ -6,6 +6,9 @@ validation all read these descriptions. A diffusers pipeline class without an en
 derived from its component types (`derived_spec`): built by capture, and marked not curated.
 This module imports no torch at import (the VAE parts' modules are in `vae_parts`), and diffusers
 only when a spec is derived or a class is read.
+
+Over 500 lines, as one module: most of it is the table of curated pipelines (`PIPELINES`), which
+reads best whole; the derivation for any other class sits beside the table it imitates.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import TargetError
+from ..errors import TargetError
 
 if TYPE_CHECKING:
     import torch

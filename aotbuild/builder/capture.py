@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .errors import BuildError
-from .pipelines import FRAMES, TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
-from .private_apis import pytree
+from ..errors import BuildError
+from ..spec.pipelines import FRAMES, TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
+from ..spec.private_apis import pytree
 
 
 @dataclass

@@ -7,6 +7,7 @@ one is skipped with the reason (`missing`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 # torch is imported where it is used: `aotbuild bench` lists these peers' names before the command
-# sets OpenMP's spin (openmp.py), which torch reads when it loads.
+# sets OpenMP's spin (runtime/openmp.py), which torch reads when it loads.
 Runner = Callable[[list[Any]], list[Any]]  # torch tensors in, torch tensors out
 _GIVEN = object()  # a tensor leaf's place: the call gives it
 
@@ -24,7 +25,7 @@ _GIVEN = object()  # a tensor leaf's place: the call gives it
 def _tensor_call_class() -> type:
     import torch
 
-    from .private_apis import pytree
+    from ..spec.private_apis import pytree
 
     class TensorCall(torch.nn.Module):
         """`module(*args, **kwargs)` as a function of the call's tensors alone (its other leaves,
@@ -51,7 +52,7 @@ def call_tensors(args: tuple, kwargs: dict) -> list[Any]:
     """The call's tensors, in the order `tensor_program`'s module takes them."""
     import torch
 
-    from .private_apis import pytree
+    from ..spec.private_apis import pytree
 
     return [leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor)]
 
@@ -140,3 +141,29 @@ PEERS = {peer.name: peer for peer in (
     Peer("onnxruntime", "onnxruntime", _onnx_convert, _onnx_load,
          "ONNX Runtime, CPU execution provider, from torch.onnx.export(dynamo=True)"),
 )}
+
+
+def reference_call(target: Any, spec: Any) -> tuple[Any, Any, Any]:
+    """The float32 pipeline, its component's module (unoptimized, as the build's reference) and the
+    call the pipeline makes to it at the first bucket, with its output."""
+    import torch
+
+    from . import capture
+    from .builder.capturing import load_source_pipeline
+    from .pipelines import UNGUIDED, pipeline_spec
+
+    pipeline = pipeline_spec(target.pipeline)
+    pipe = load_source_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
+    bucket = target.shapes[0]
+    if spec.recorded:
+        extras = pipeline.call_extras(bucket.batch, bucket.height, bucket.width, bucket.images)
+        call = capture.capture_inputs(
+            pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
+            guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,
+            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras)[spec.name]
+    else:
+        call = capture.random_call(pipe, spec, bucket.batch, bucket.height, bucket.width, torch.device("cpu"))
+    module = spec.export_module(getattr(pipe, spec.attribute)).eval()
+    if spec.denoiser:
+        call = capture.float_timestep(call, module)
+    return pipe, module, call

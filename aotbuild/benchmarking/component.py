@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from .errors import AotbuildError
-from .openmp import spin_setting
-from .peers import PEERS, call_tensors, tensor_program
-from .private_apis import fake_tensor_mode, pytree
+from ..errors import AotbuildError
+from ..runtime.openmp import spin_setting
+from ..spec.private_apis import fake_tensor_mode, pytree
+from .peers import PEERS, call_tensors, reference_call, tensor_program
+from .stats import quartiles
 
 COMPONENT_CASES = ("aot", "aot-model", "eager", "compile", *PEERS)
 DEFAULT_COMPONENT_CASES = tuple(case for case in COMPONENT_CASES if case != "compile")
@@ -125,13 +126,14 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             without aot, or a target to compare against that is another pipeline or lacks the
             component.
     """
-    from .bench import rss_mib, write_document
-    from .builder.capturing import free_memory
-    from .builder.validate import output_errors
-    from .manifest import environment, read_manifest
-    from .pipelines import pipeline_spec
-    from .runtime.artifacts import built_artifact
-    from .targets import load_target
+    from ..builder.capturing import free_memory
+    from ..builder.targets import load_target
+    from ..builder.validate import output_errors
+    from ..runtime.artifacts import built_artifact
+    from ..runtime.memory import rss_mib
+    from ..spec.manifest import environment, read_manifest
+    from ..spec.pipelines import pipeline_spec
+    from .report import write_document
 
     say = progress or (lambda message: None)
     target = load_target(target_path)
@@ -207,7 +209,7 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         ratios = [s / a for s, a in zip(seconds, times[base], strict=True)]
         gflop_s = flop / statistics.median(seconds) / 1e9
         runtimes[case].figures |= {"call_s": statistics.median(seconds), "values": seconds,
-                                   "ratio_to_aot": statistics.median(ratios), "ratio_quartiles": _quartiles(ratios),
+                                   "ratio_to_aot": statistics.median(ratios), "ratio_quartiles": quartiles(ratios),
                                    "gflop_s": gflop_s, "of_peak": gflop_s / max(peak.values())}
         if case in own_us:
             runtimes[case].figures["stand_in_us"] = own_us[case]
@@ -223,30 +225,6 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
                 "runtimes": {case: r.figures for case, r in runtimes.items()}, "skipped": skipped}
     write_document(folder / component_bench_name(component), document)
     return document
-
-
-def reference_call(target: Any, spec: Any) -> tuple[Any, torch.nn.Module, Any]:
-    """The float32 pipeline, its component's module (unoptimized, as the build's reference) and the
-    call the pipeline makes to it at the first bucket, with its output."""
-    from . import capture
-    from .builder.capturing import load_source_pipeline
-    from .pipelines import UNGUIDED, pipeline_spec
-
-    pipeline = pipeline_spec(target.pipeline)
-    pipe = load_source_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
-    bucket = target.shapes[0]
-    if spec.recorded:
-        extras = pipeline.call_extras(bucket.batch, bucket.height, bucket.width, bucket.images)
-        call = capture.capture_inputs(
-            pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
-            guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,
-            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras)[spec.name]
-    else:
-        call = capture.random_call(pipe, spec, bucket.batch, bucket.height, bucket.width, torch.device("cpu"))
-    module = spec.export_module(getattr(pipe, spec.attribute)).eval()
-    if spec.denoiser:
-        call = capture.float_timestep(call, module)
-    return pipe, module, call
 
 
 def call_flop(module: torch.nn.Module, call: Any) -> float:
@@ -308,7 +286,7 @@ def _prepare(case: str, target: Any, spec: Any, folder: Path, call: Any, recipe:
     if case in ("eager", "compile"):
         module, args, kwargs = recipe
         if case == "compile":
-            from .backends import compile_options
+            from ..generation.backends import compile_options
 
             module = torch.compile(module, options=compile_options(target))
         return _Runtime(lambda: module(*args, **kwargs), {"prepare_s": time.perf_counter() - start})
@@ -323,8 +301,8 @@ def _prepare(case: str, target: Any, spec: Any, folder: Path, call: Any, recipe:
 def _stand_in(folder: Path, component: str) -> tuple[Any, dict[str, Any]]:
     """The artifact's stand-in for `component` (for a VAE part, the part), loaded as the runtime
     loads it, and its manifest entry."""
-    from .runtime import CompiledComponent
-    from .runtime.load import load_components
+    from ..runtime import CompiledComponent
+    from ..runtime.load import load_components
 
     manifest, modules = load_components(folder)
     stand_in = next(m for module in modules.values() for m in module.modules()
@@ -339,9 +317,9 @@ def _recipe(target: Any, spec: Any, pipe: Any, reference: torch.nn.Module,
     reference module itself."""
     if target.dtype == "float32" and not target.optimize:
         return reference, call.args, call.kwargs
-    from . import optimize
-    from .builder import check_device
-    from .builder.capturing import optimize_pipeline
+    from ..builder import optimize
+    from ..builder.capturing import optimize_pipeline
+    from ..builder.flow import check_device
 
     check_device(target)
     optimize_pipeline(pipe, [spec], target)
@@ -377,14 +355,6 @@ def _rounds(runtimes: dict[str, _Runtime], rounds: int) -> dict[str, list[float]
     return times
 
 
-def _quartiles(values: list[float]) -> list[float]:
-    """The first and third quartiles (one round: its value twice)."""
-    if len(values) < 2:
-        return [values[0], values[0]]
-    first, _, third = statistics.quantiles(values, n=4, method="inclusive")
-    return [first, third]
-
-
 @contextlib.contextmanager
 def _spinning(count: int) -> Iterator[None]:
     """`count` processes spinning on the CPU for the duration of the block."""
@@ -397,31 +367,3 @@ def _spinning(count: int) -> Iterator[None]:
             spinner.wait()
 
 
-def format_component_table(document: dict[str, Any]) -> str:
-    """One row per runtime: its call, the ratio to aot's, its error, and what preparing it cost."""
-    def cell(value: Any, width: int, spec: str) -> str:
-        return f"{'-' if value is None else format(value, spec):>{width}}"
-
-    meta = document["meta"]
-    name = max(14, *(len(case) + 2 for case in document["runtimes"]))
-    lines = [f"{meta['target']} {meta['component']} at {meta['shape']}: {meta['rounds']} rounds, "
-             f"{meta['cpus']} CPUs, {meta['busy']} busy processes beside, OpenMP threads wait: "
-             f"{meta.get('openmp_wait', 'not recorded')}",
-             f"{'runtime':<{name}}{'call ms':>10}{'/ ' + meta['ratio_base']:>9}{'middle half':>13}{'rel.err':>10}"
-             f"{'GFLOP/s':>9}{'of peak':>9}{'prepare s':>11}{'convert s':>11}{'disk MiB':>10}{'RSS+ MiB':>10}  chose"]
-    for case, f in document["runtimes"].items():
-        chose = ", ".join(f"{k} {f[k]}" for k in ("precision", "threads", "variant") if k in f)
-        spread = "-".join(f"{q:.2f}" for q in f["ratio_quartiles"])
-        lines.append(f"{case:<{name}}{cell(f['call_s'] * 1e3, 10, '.2f')}{cell(f['ratio_to_aot'], 9, '.2f')}"
-                     f"{spread:>13}{cell(f['max_rel_error'], 10, '.1e')}{cell(f.get('gflop_s'), 9, '.0f')}"
-                     f"{cell(f.get('of_peak'), 9, '.2f')}{cell(f.get('prepare_s'), 11, '.2f')}"
-                     f"{cell(f.get('convert_s'), 11, '.1f')}{cell(f.get('disk_mib'), 10, '.1f')}"
-                     f"{cell(f.get('rss_added_mib'), 10, '.0f')}  {chose}")
-    if "gflop" in meta:
-        lines.append(f"the call: {meta['gflop']:.1f} GFLOP; this machine's peak in the target's dtype: "
-                     + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in meta["peak_gflop_s"].items())
-                     + f"; peak RSS {meta['peak_rss_mib'] / 1024:.1f} GiB")
-    lines += [f"{case}: the stand-in's own cost per call (the model's run taken out): "
-              f"{f['stand_in_us']:.0f} us" for case, f in document["runtimes"].items() if "stand_in_us" in f]
-    lines += [f"{case}: skipped, {reason}" for case, reason in document["skipped"].items()]
-    return "\n".join(lines)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import (
+from ..errors import (
     AotbuildError,
     CorruptArtifactError,
     HubError,
@@ -25,7 +25,7 @@ from .errors import (
     NoMatchingVariantError,
     UntrustedCodeError,
 )
-from .manifest import (
+from ..spec.manifest import (
     MANIFEST_FIELDS,
     MANIFEST_NAME,
     check_compatible,
