@@ -119,3 +119,19 @@ class HubError(AotbuildError):
 
 class NoMatchingVariantError(AotbuildError):
     """A Hub repo holds no artifact variant that fits this machine."""
+
+
+class BenchError(AotbuildError):
+    """A benchmark's worker process failed or ran past its time."""
+
+
+class RequestError(AotbuildError):
+    """A request the server refuses (answered, not raised to a caller); `status` is its HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ReplicaLostError(AotbuildError):
+    """A request's replica stopped before it answered, twice (answered with a 503)."""

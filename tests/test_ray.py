@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 
 from aotbuild.builder.targets import load_target
 from aotbuild.cli import main
-from aotbuild.errors import AotbuildError, UntrustedCodeError
+from aotbuild.errors import AotbuildError, RequestError, UntrustedCodeError
 from aotbuild.serving.client import request
-from aotbuild.serving.schema import REQUEST_FIELDS, RequestError, parse_request
+from aotbuild.serving.schema import REQUEST_FIELDS, parse_request
 
 from .conftest import ROOT, TARGETS, build_once, eager_pipeline, make_lora
 from .hubserver import FakeHub

@@ -666,8 +666,6 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
     a request id, a failure is a 500 with the id and no exception text, and no response carries a
     machine path."""
 
-    from starlette.requests import Request
-
     from aotbuild.serving import schema
     from aotbuild.serving.ingress import Ingress
     from aotbuild.serving.replica import ImageServer
@@ -678,7 +676,8 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
     loop = asyncio.new_event_loop()  # one loop, as in a replica: the batch queue lives in it
 
     def call(method: str, path: str, body: bytes = b"", headers: dict | None = None):
-        sent = []
+        """The ingress's FastAPI app called as Ray Serve calls it (ASGI), the response collected."""
+        sent, answered = [], []
 
         async def receive():
             if sent:
@@ -686,10 +685,17 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
             sent.append(True)
             return {"type": "http.request", "body": body, "more_body": False}
 
-        scope = {"type": "http", "method": method, "path": path, "headers": [
-            (k.encode(), v.encode()) for k, v in (headers or {}).items()], "query_string": b""}
-        response = loop.run_until_complete(front(Request(scope, receive)))
-        return response.status_code, dict(response.headers), response.body
+        async def send(message):
+            answered.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "path": path,
+                 "raw_path": path.encode(), "root_path": "", "scheme": "http", "query_string": b"",
+                 "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1),
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+        loop.run_until_complete(front.api(scope, receive, send))
+        start = next(m for m in answered if m["type"] == "http.response.start")
+        content = b"".join(m.get("body", b"") for m in answered if m["type"] == "http.response.body")
+        return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, content
 
     status, headers, body = call("GET", "/health")
     assert status == 200 and set(json.loads(body)) == {"status", "replica"}  # no pid, memory, adapters by default
@@ -698,6 +704,7 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
     health = json.loads(body)
     assert status == 200 and health["artifact"] == built.folder.name and str(built.folder) not in body.decode()
     assert {"pid", "rss_mib", "served"} <= set(health)
+    assert call("GET", "/health/")[0] == 200  # a trailing slash is the route, not a redirect
     for method, path, status, words in [
             ("GET", "/healthz", 404, "no such route: GET /healthz"),
             ("GET", "/v1/images/generations/health", 404, "no such route: GET"),  # routed exactly, not by suffix
@@ -705,8 +712,16 @@ def test_the_server_checks_coverage_sizes_and_numbers_before_it_allocates(built,
             ("POST", "/health", 405, "POST /health: this route takes GET"), ("GET", "/", 405, "this route takes POST")]:
         answered = call(method, path)
         assert answered[0] == status and words in json.loads(answered[2])["error"], (method, path, answered)
-    assert "answers POST /, POST /v1/images/generations, POST /v1/images/edits, GET /health" in json.loads(
+    assert "answers POST /, POST /v1/images/generations, POST /v1/images/edits, GET /health, GET /docs" in json.loads(
         call("GET", "/nowhere")[2])["error"]
+    # The OpenAPI page documents every route and the request's fields, from the model that validates them.
+    status, _, body = call("GET", "/openapi.json")
+    paths = json.loads(body)["paths"]
+    assert status == 200 and set(paths) == {"/", "/v1/images/generations", "/v1/images/edits", "/health"}
+    form = paths["/"]["post"]["requestBody"]["content"]
+    assert list(form["application/json"]["schema"]["properties"]) == list(schema.REQUEST_FIELDS)
+    assert form["multipart/form-data"]["schema"]["properties"]["image"]["format"] == "binary"
+    assert call("GET", "/docs")[0] == 200
     for edit, field in [({"prompt": "a fox", "image": None}, "image"), ({"prompt": "a fox"}, "image")]:
         status, _, body = call("POST", "/v1/images/edits", json.dumps(edit).encode())
         assert status == 400 and f"field '{field}' is required" in json.loads(body)["error"]["message"]
@@ -961,7 +976,8 @@ def test_a_build_waiting_for_another_says_who_and_gives_up_after_wait(tiny_targe
 
 
 def test_a_hung_bench_process_is_stopped():
-    from aotbuild.benchmarking.harness import BenchError, _run_child
+    from aotbuild.benchmarking.harness import _run_child
+    from aotbuild.errors import BenchError
 
     start = time.perf_counter()
     with pytest.raises(BenchError, match=r"bench case x did not finish in 0.5 s and was stopped"):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import AotbuildError
+from ..errors import AotbuildError, BenchError
 from ..runtime.openmp import spin_setting
 from .peers import PEERS
 from .report import pyplot, report, write_document
@@ -113,10 +113,6 @@ WORKER = (sys.executable, "-m", "aotbuild.benchmarking.worker")  # one case in a
 WORKER_TIMEOUT_S = 3600
 
 BUILD_TIMEOUT_S = 3 * 3600
-
-
-class BenchError(AotbuildError):
-    """A benchmark worker failed."""
 
 
 def run_bench(target_path: str, artifacts_dir: Path, *, repeats: int = 3, steps: int = 4, steady: int = 3,

@@ -10,7 +10,8 @@ the models of one load share), `graphs` (CUDA graphs), `component` (the stand-in
 `regional` (a regional denoiser: diffusers' forward calling compiled blocks), `step_cache`
 (diffusers' step caches, `enable_cache`, on those blocks), `autoencoder` (the
 VAE's stand-in: diffusers' encode and decode over the compiled parts), `load` (the public entry
-points).
+points); where weights and artifacts come from: `sources` (a Hub id, a folder, `random:`), `hub`
+(artifacts on the Hub); this process: `openmp` (its threads' spin), `memory` (its RSS).
 
 Imports torch and safetensors (diffusers only when a pipeline is built); never the builder,
 torchao or torch._dynamo: what this package imports decides cold start. The names below are

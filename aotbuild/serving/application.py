@@ -80,7 +80,8 @@ def app(artifact: str | None = None, *, target: str | None = None, backend: str 
         lora_slots=lora_slots, checkpoints=checkpoints, weights_slots=weights_slots, max_batch=max_batch,
         batch_wait_s=batch_wait_s, dtype=dtype, health_details=health_details)
     # The front computes nothing: it reserves no CPU and takes every request the replicas may queue.
-    front = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
+    # Its FastAPI app is built in each replica, over the handle it is given (`Ingress.api`).
+    front = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=1000, logging_config=options["logging_config"])
     return front.bind(model, tuple(loras or ()), tuple(checkpoints or ()))
 

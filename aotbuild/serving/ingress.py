@@ -1,8 +1,9 @@
 """The HTTP front (`Ingress`): exact routes, the body read within its limit (JSON or multipart),
 a request routed to a replica holding its checkpoint and LoRA (Serve's model multiplexing), and
-the answer in this server's or OpenAI's shape."""
+the answer in this server's or OpenAI's shape.
 
-from __future__ import annotations
+No `from __future__ import annotations` here: FastAPI reads the routes' annotations (`Request`)
+as objects."""
 
 import asyncio
 import base64
@@ -12,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from ..errors import AotbuildError
+from ..errors import ReplicaLostError, RequestError
 from .openai_api import openai_request
 from .replica import route_id
 from .schema import (
@@ -22,7 +23,6 @@ from .schema import (
     OPENAI_EDITS_ROUTE,
     OPENAI_ROUTE,
     ROUTES,
-    RequestError,
     read_json,
     scrubbed,
 )
@@ -41,55 +41,63 @@ def _route(request: Any) -> str:
 
 class Ingress:
     """The HTTP front: reads and checks the body, routes a request naming a LoRA to a replica that
-    holds it, and answers. Its replica computes nothing; the `ImageServer` replicas do.
+    holds it, and answers. Its replica computes nothing; the `ImageServer` replicas do. Deployed as
+    `serve.ingress()(Ingress)`: Ray Serve asks each replica for its FastAPI app
+    (`__serve_build_asgi_app__`), `http_api(self)`:
 
         POST /                        this server's JSON request -> PNG (MP4) or JSON
         POST /v1/images/generations   OpenAI's images request -> {"created", "data": [{"b64_json"}]}
         POST /v1/images/edits         OpenAI's edits request -> {"created", "data": [{"b64_json"}]}
         GET  /health                  200 when a replica is ready (details: `health_details`), 503 when it fails
+        GET  /docs                    the OpenAPI page: every route, its request's fields, tried from a browser
     Any other path is a 404, another method a 405.
     """
 
     def __init__(self, model: Any, loras: tuple[str, ...] = (), checkpoints: tuple[str, ...] = ()) -> None:
         self.model, self.served = model, (frozenset(checkpoints), frozenset(loras))
         self._seconds = _request_metric()
+        self.api = http_api(self)
 
-    async def __call__(self, request: Any) -> Any:
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.api
+
+    def refused(self, status: int, error: str, request_id: str, openai: bool, replica: str = "-") -> Any:
+        """A refusal or failure as JSON: OpenAI's error shape on its routes (its clients read it),
+        this server's elsewhere; never a machine path."""
+        from starlette.responses import JSONResponse
+
+        ids = {"x-aotbuild-replica": replica, "x-aotbuild-request": request_id}
+        if openai:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            body = {"error": {"message": scrubbed(error), "type": kind, "param": None, "code": None}}
+        else:
+            body = {"error": scrubbed(error), "replica": replica, "request": request_id}
+        return JSONResponse(body, status_code=status, headers=ids)
+
+    async def health(self) -> Any:
+        from starlette.responses import JSONResponse
+
+        request_id = uuid.uuid4().hex[:16]
+        try:
+            health = await self._remote("health")
+        except Exception:
+            _log.exception("request %s: health check failed", request_id)
+            return self.refused(503, "the replica failed its health check", request_id, False)
+        return JSONResponse(health, headers={"x-aotbuild-replica": health["replica"], "x-aotbuild-request": request_id})
+
+    async def make(self, request: Any, route: str) -> Any:
+        """A request to make images at `route` ("" or one of OpenAI's), answered."""
         from starlette.responses import JSONResponse, Response
 
         request_id = uuid.uuid4().hex[:16]
-        path = _route(request)
-        openai = path in (OPENAI_ROUTE, OPENAI_EDITS_ROUTE)
+        openai = route in (OPENAI_ROUTE, OPENAI_EDITS_ROUTE)
         start = time.perf_counter()
-
-        def answer(status: int, error: str, replica: str = "-") -> Any:
-            ids = {"x-aotbuild-replica": replica, "x-aotbuild-request": request_id}
-            if openai:  # OpenAI's error shape, which its clients read
-                kind = "invalid_request_error" if status < 500 else "server_error"
-                body = {"error": {"message": scrubbed(error), "type": kind, "param": None, "code": None}}
-            else:
-                body = {"error": scrubbed(error), "replica": replica, "request": request_id}
-            return JSONResponse(body, status_code=status, headers=ids)
-
-        if path not in ROUTES:
-            routes = ", ".join(f"{method} {route or '/'}" for route, method in ROUTES.items())
-            return answer(404, f"no such route: {request.method} {path or '/'}; this server answers {routes}")
-        if request.method != ROUTES[path]:
-            return answer(405, f"{request.method} {path or '/'}: this route takes {ROUTES[path]}")
-        if path == HEALTH_ROUTE:
-            try:
-                health = await self._remote("health")
-            except Exception:
-                _log.exception("request %s: health check failed", request_id)
-                return answer(503, "the replica failed its health check")
-            return JSONResponse(health, headers={"x-aotbuild-replica": health["replica"],
-                                                 "x-aotbuild-request": request_id})
         try:
             raw = await _limited_body(request)
             multipart = request.headers.get("content-type", "").startswith("multipart/form-data")
-            body = await _form(request.headers, raw) if multipart else read_json(raw)
+            body = await _form(request, raw) if multipart else read_json(raw)
             if openai:  # an edit's mask is decoded: in a worker thread, off the event loop
-                body, names = await asyncio.to_thread(openai_request, body, edits=path == OPENAI_EDITS_ROUTE)
+                body, names = await asyncio.to_thread(openai_request, body, edits=route == OPENAI_EDITS_ROUTE)
             else:
                 names = {}
             # A checkpoint or adapter the server was not started with is refused by the replica, unrouted.
@@ -99,14 +107,15 @@ class Ingress:
             made = await self._remote("generate", body, request_id, names,
                                       route=(route_id(*named) if known else None) or "")
         except RequestError as exc:
-            return answer(exc.status, exc.message)
-        except ReplicaLost as exc:
-            return answer(503, f"{exc.message}; request {request_id}")
+            return self.refused(exc.status, exc.message, request_id, openai)
+        except ReplicaLostError as exc:
+            return self.refused(503, f"{exc.message}; request {request_id}", request_id, openai)
         except Exception:
             _log.exception("request %s failed", request_id)
-            return answer(500, f"the server failed to make this image; request {request_id}")
+            return self.refused(500, f"the server failed to make this image; request {request_id}", request_id,
+                                openai)
         if "error" in made:
-            return answer(made["status"], made["error"], made["replica"])
+            return self.refused(made["status"], made["error"], request_id, openai, made["replica"])
         self._seconds.observe(time.perf_counter() - start)
         headers = {"x-aotbuild-replica": made["replica"], "x-aotbuild-request": request_id,
                    "x-aotbuild-seconds": f"{made['seconds']:.4f}", "x-aotbuild-batch": str(made["batch"])}
@@ -133,12 +142,90 @@ class Ingress:
             except (RayActorError, ReplicaUnavailableError) as exc:
                 _log.warning("a replica was lost during a request (%s); %s", type(exc).__name__,
                              "retrying" if not attempt else "giving up")
-        raise ReplicaLost("the replica making this request stopped before it answered, and so did the one it was "
+        raise ReplicaLostError("the replica making this request stopped before it answered, and so did the one it was "
                           "retried on")
 
 
-class ReplicaLost(AotbuildError):
-    """A request's replica stopped before it answered, twice."""
+def http_api(front: Ingress) -> Any:
+    """The FastAPI app of an `Ingress`: exact routes, each documented (GET /docs, /openapi.json)
+    with its request's model; a path or method the server does not answer, said with what it
+    does. Bodies are read here, not by FastAPI: within MAX_BODY_BYTES, as JSON without NaN or
+    Infinity, or as a multipart form."""
+    from fastapi import FastAPI, Request
+    from starlette.exceptions import HTTPException
+
+    from ..spec.manifest import aotbuild_version
+    from .models import ImageRequest, OpenAIImageRequest
+
+    api = FastAPI(title="aotbuild", version=aotbuild_version(), redoc_url=None,
+                  description="Images (videos) from an ahead-of-time compiled diffusers pipeline.")
+    made = {200: {"description": "the image (PNG), the video (MP4), or JSON with base64 ones",
+                  "content": {"image/png": {}, "video/mp4": {}, "application/json": {}}}}
+
+    @api.post("/", summary="Make images (videos)", responses=made, openapi_extra=_body(ImageRequest, files=True))
+    async def generate(request: Request) -> Any:
+        return await front.make(request, "")
+
+    @api.post(OPENAI_ROUTE, summary="OpenAI's images request", openapi_extra=_body(OpenAIImageRequest))
+    async def openai_generations(request: Request) -> Any:
+        return await front.make(request, OPENAI_ROUTE)
+
+    @api.post(OPENAI_EDITS_ROUTE, summary="OpenAI's edits request (an image, and a mask)",
+              openapi_extra=_body(OpenAIImageRequest, files=True))
+    async def openai_edits(request: Request) -> Any:
+        return await front.make(request, OPENAI_EDITS_ROUTE)
+
+    @api.get(HEALTH_ROUTE, summary="200 once a replica's compiled models are loaded; 503 when it fails")
+    async def health() -> Any:
+        return await front.health()
+
+    api.add_middleware(_TrailingSlash)
+
+    @api.exception_handler(HTTPException)
+    async def unrouted(request: Request, exc: HTTPException) -> Any:  # FastAPI's router: 404 and 405
+        path, request_id = _route(request), uuid.uuid4().hex[:16]
+        if exc.status_code == 405:
+            return front.refused(405, f"{request.method} {path or '/'}: this route takes {ROUTES[path]}", request_id,
+                                 path in (OPENAI_ROUTE, OPENAI_EDITS_ROUTE))
+        routes = ", ".join(f"{method} {route or '/'}" for route, method in ROUTES.items())
+        return front.refused(exc.status_code, f"no such route: {request.method} {path or '/'}; this server answers "
+                                              f"{routes}, GET /docs", request_id, False)
+
+    return api
+
+
+class _TrailingSlash:
+    """A route with or without its trailing slash is the route (`POST /prefix` is the prefix's `/`;
+    `GET /health/` is `/health`): a client POSTing to the URL it was given is answered, never
+    redirected (urllib does not follow a POST's redirect)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            root, path = scope.get("root_path", ""), scope["path"]
+            route = path[len(root):] if root and path.startswith(root) else path
+            exact = "/" + route.strip("/")
+            if exact != route:
+                scope = {**scope, "path": path[:len(path) - len(route)] + exact}
+                scope.pop("raw_path", None)  # the path as sent: no longer this one
+        await self.app(scope, receive, send)
+
+
+def _body(model: Any, files: bool = False) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its own: `model` as JSON, and with `files`
+    also as a multipart form whose pictures are files."""
+    from .models import PICTURE
+
+    schema = model.model_json_schema()
+    content = {"application/json": {"schema": schema}}
+    if files:
+        fields = model.model_json_schema()
+        for name in ("image", "mask"):
+            fields["properties"][name] = {"type": "string", "format": "binary", "description": PICTURE}
+        content["multipart/form-data"] = {"schema": fields}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 def _request_metric() -> Any:
@@ -148,21 +235,22 @@ def _request_metric() -> Any:
                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300])
 
 
-async def _form(headers: Any, raw: bytes) -> dict[str, Any]:
-    """A multipart/form-data body as a request: files as their bytes (pictures), the fields in
-    NUMBER_FIELDS as numbers, the others as text.
+async def _form(request: Any, raw: bytes) -> dict[str, Any]:
+    """A multipart/form-data body (`raw`, read within its limit) as a request: files (UploadFile)
+    as their bytes, pictures; the fields in NUMBER_FIELDS as numbers, the others as text.
 
     Raises:
         RequestError: 400, saying what is wrong with the form.
     """
-    from starlette.formparsers import MultiPartException, MultiPartParser
+    from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException
+    from starlette.requests import Request
 
-    async def chunks() -> Any:
-        yield raw
+    async def replay() -> dict[str, Any]:  # the body again, as read
+        return {"type": "http.request", "body": raw, "more_body": False}
 
     try:
-        form = await MultiPartParser(headers, chunks(), max_files=2, max_fields=32,
-                                     max_part_size=MAX_BODY_BYTES).parse()
+        form = await Request(request.scope, replay).form(max_files=2, max_fields=32, max_part_size=MAX_BODY_BYTES)
     except (MultiPartException, AssertionError) as exc:  # the parser's words for a malformed form
         raise RequestError(400, f"the multipart body cannot be read: {exc}") from None
     except ImportError:
@@ -171,7 +259,7 @@ async def _form(headers: Any, raw: bytes) -> dict[str, Any]:
     for name, value in form.multi_items():
         if name in body:
             raise RequestError(400, f"field {name!r} is given twice")
-        if not isinstance(value, str):  # an uploaded file
+        if isinstance(value, UploadFile):
             body[name] = await value.read()
         elif name in NUMBER_FIELDS:
             try:

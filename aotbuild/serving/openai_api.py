@@ -3,13 +3,10 @@ request: `n`, `size`, `response_format`, an edit's transparent mask."""
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
-from .schema import OPENAI_EDITS_ROUTE, OPENAI_ROUTE, RequestError, picture_field
-
-OPENAI_ONLY = ("n", "size", "response_format", "model", "user")  # OpenAI's fields; the rest are this server's
+from ..errors import RequestError
+from .schema import OPENAI_EDITS_ROUTE, OPENAI_ROUTE, picture_field, validated
 
 
 def openai_request(body: Any, *, edits: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
@@ -22,6 +19,8 @@ def openai_request(body: Any, *, edits: bool = False) -> tuple[dict[str, Any], d
     Raises:
         RequestError: 400, naming the OpenAI field.
     """
+    from .models import OpenAIImageRequest
+
     if not isinstance(body, dict):
         raise RequestError(400, 'the body must be a JSON object, e.g. {"prompt": "a red fox", "size": "1024x1024"}')
     if edits and body.get("image") is None:
@@ -32,21 +31,12 @@ def openai_request(body: Any, *, edits: bool = False) -> tuple[dict[str, Any], d
     if given := sorted(set(body) & {"images", "height", "width", "output"}):
         raise RequestError(400, f"field {given[0]!r}: this endpoint takes OpenAI's n and size (\"WIDTHxHEIGHT\"); "
                                 f"POST / takes images, height, width and output")
-    if (fmt := body.get("response_format", "b64_json")) != "b64_json":
-        raise RequestError(400, f'field \'response_format\' is {json.dumps(fmt)}; this server returns images in the '
-                                f'response only ("b64_json")')
-    for name in ("model", "user"):
-        if name in body and not isinstance(body[name], str):
-            raise RequestError(400, f"field {name!r} must be a string")
-    request = {k: v for k, v in body.items() if k not in OPENAI_ONLY}
-    if "n" in body:
-        request["images"] = body["n"]
-    if "size" in body:
-        size = body["size"]
-        match = re.fullmatch(r"([1-9]\d{0,5})x([1-9]\d{0,5})", size) if isinstance(size, str) else None
-        if match is None:
-            raise RequestError(400, f'field \'size\' is {json.dumps(size)}; give "WIDTHxHEIGHT", e.g. "1024x1024"')
-        request["width"], request["height"] = int(match[1]), int(match[2])
+    openai = validated(OpenAIImageRequest, body, {"n": (1, None)}, {})
+    request = {k: v for k, v in body.items() if k not in OpenAIImageRequest.model_fields or k == "prompt"}
+    if openai.n is not None:
+        request["images"] = openai.n
+    if openai.size is not None:
+        request["width"], request["height"] = (int(side) for side in openai.size.split("x"))
     if edits:
         _openai_mask(request)
     request["output"] = "json"

@@ -13,9 +13,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from ..errors import AotbuildError
+from ..errors import AotbuildError, RequestError
 from ..generation.media import mp4_bytes, png_bytes, video_fps
-from .schema import MAX_IMAGES, MAX_STEPS, RequestError, covered, parse_request, scrubbed
+from .schema import MAX_IMAGES, MAX_STEPS, covered, parse_request, scrubbed
 from .slots import LORA_SLOTS, WEIGHTS_SLOTS, AdapterSlots
 
 MAX_BATCH = 4  # requests made together at most

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import re
 from typing import Any
 
-from ..errors import AotbuildError
+from ..errors import AotbuildError, RequestError
 
 # Each request field and what it means; `images` is num_images_per_prompt.
 REQUEST_FIELDS = {
@@ -55,103 +54,125 @@ NUMBER_FIELDS = ("steps", "guidance_scale", "height", "width", "seed", "images",
 MAX_PROMPT_CHARS = 4096  # tokenizers read the first 77 to 512 tokens of a prompt
 
 
-class RequestError(AotbuildError):
-    """A request the server refuses; `status` is its HTTP status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+# What a request's field must be, said when its value is not (integers say their range instead).
+FIELD_RULES = {"guidance_scale": "a finite number >= 0", "strength": "a number above 0 and at most 1",
+               "lora_scale": "a finite number", "negative_prompt": "a string", "lora": "a string",
+               "weights": "a string", "image": "a picture in base64 (PNG, JPEG or WebP)",
+               "mask": "a picture in base64 (PNG, JPEG or WebP)", "model": "a string", "user": "a string"}
 
 
 def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_STEPS,
                   max_images: int = MAX_IMAGES, adapters: dict[str, float] | None = None,
                   checkpoints: tuple[str, ...] = (), names: dict[str, str] | None = None) -> dict[str, Any]:
-    """A request's JSON body checked and completed from `defaults` (`backends.call_defaults`).
-    `adapters`: the LoRAs a request may name, with their default weights; `checkpoints`: the other
-    checkpoints it may name. `names`: what a field is called in the request as the client wrote
-    it (an OpenAI request's `n` is `images`).
+    """A request's JSON body checked (`models.ImageRequest`, then this server's limits and what its
+    artifact makes) and completed from `defaults` (`backends.call_defaults`). `adapters`: the LoRAs
+    a request may name, with their default weights; `checkpoints`: the other checkpoints it may
+    name. `names`: what a field is called in the request as the client wrote it (an OpenAI
+    request's `n` is `images`).
 
     Raises:
         RequestError: 400, naming the field and what it takes.
     """
+    from .models import ImageRequest
+
     adapters, names = adapters or {}, names or {}
-    if not isinstance(body, dict):
-        raise RequestError(400, 'the body must be a JSON object, e.g. {"prompt": "a red fox"}')
-    if unknown := sorted(set(body) - set(REQUEST_FIELDS)):
-        raise RequestError(400, f"unknown field {unknown[0]!r}; the fields are: {', '.join(REQUEST_FIELDS)}")
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
+    video = defaults.get("frames") is not None
+    single = "mp4" if video else "png"
+    ranges = {"steps": (1, max_steps), "images": (1, max_images), "height": (1, None), "width": (1, None),
+              "seed": (0, 2**63 - 1), "frames": (1, None)}
+    given = validated(ImageRequest, body, ranges, names, single)
+    if not given.prompt.strip():
         raise RequestError(400, "field 'prompt' is required: a non-empty string")
-    negative = body.get("negative_prompt")
-    if negative is not None and not isinstance(negative, str):
-        raise RequestError(400, "field 'negative_prompt' must be a string")
-    for name, text in (("prompt", prompt), ("negative_prompt", negative or "")):
-        if len(text) > MAX_PROMPT_CHARS:
-            raise RequestError(400, f"field {name!r} has {len(text)} characters; this server takes {MAX_PROMPT_CHARS} "
-                                    f"at most")
-
-    def integer(name: str, low: int, high: int | None = None) -> int:
-        value = body.get(name, defaults[name] if name != "images" else 1)  # one image unless asked
-        shown = names.get(name, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RequestError(400, f"field {shown!r} must be an integer, got {json.dumps(value)}")
-        if value < low or (high is not None and value > high):
-            limit = f"{low} to {high}" if high is not None else f"at least {low}"
-            shared = list(names.values()).count(shown) > 1  # `size` gives height and width
-            told = f"{name} {value}" if shared else str(value)
-            raise RequestError(400, f"field {shown!r} is {told}; this server takes {limit}")
-        return value
-
-    lora, scale = body.get("lora"), body.get("lora_scale")
-    if lora is not None and (not isinstance(lora, str) or lora not in adapters):
+    picked = {"images": 1, "frames": defaults.get("frames"), "output": single}  # one image unless asked
+    call = {name: value if (value := getattr(given, name)) is not None else defaults.get(name, picked.get(name))
+            for name in type(given).model_fields}
+    for name, (_, high) in ranges.items():
+        if high is not None and call[name] is not None and call[name] > high:
+            raise RequestError(400, _out_of_range(name, call[name], ranges, names))
+    if given.lora is not None and given.lora not in adapters:
         served = (f"this server serves: {', '.join(sorted(adapters))}" if adapters else
                   "this server serves no LoRAs (start it with --lora NAME=PATH)")
-        raise RequestError(400, f"field 'lora' is {json.dumps(lora)}; {served}")
-    weights = body.get("weights")
-    if weights is not None and (not isinstance(weights, str) or weights not in checkpoints):
+        raise RequestError(400, f"field 'lora' is {json.dumps(given.lora)}; {served}")
+    if given.weights is not None and given.weights not in checkpoints:
         served = (f"this server serves: {', '.join(sorted(checkpoints))}" if checkpoints else
                   "this server serves its artifact's own weights only (start it with --weights NAME=FOLDER)")
-        raise RequestError(400, f"field 'weights' is {json.dumps(weights)}; {served}")
-    if scale is not None:
-        if lora is None:
-            raise RequestError(400, "field 'lora_scale' goes with field 'lora'")
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            raise RequestError(400, f"field 'lora_scale' must be a finite number, got {json.dumps(scale)}")
-
-    guidance = body.get("guidance_scale", defaults["guidance_scale"])
-    if isinstance(guidance, bool) or not isinstance(guidance, int | float) or not 0 <= guidance < math.inf:
-        raise RequestError(400, f"field 'guidance_scale' must be a finite number >= 0, got {json.dumps(guidance)}")
-    video = defaults.get("frames") is not None
-    if "frames" in body and not video:
+        raise RequestError(400, f"field 'weights' is {json.dumps(given.weights)}; {served}")
+    if given.lora_scale is not None and given.lora is None:
+        raise RequestError(400, "field 'lora_scale' goes with field 'lora'")
+    if given.frames is not None and not video:
         raise RequestError(400, "field 'frames': this artifact makes images, not videos")
-    single = "mp4" if video else "png"
-    output = body.get("output", single)
-    if output not in (single, "json"):
-        raise RequestError(400, f'field \'output\' is "{single}" or "json", got {json.dumps(output)}')
-    image, mask = (picture_field(body, name, mode) for name, mode in (("image", "RGB"), ("mask", "L")))
-    if mask is not None and image is None:
+    if call["output"] not in (single, "json"):
+        raise RequestError(400, f'field \'output\' is "{single}" or "json", got {json.dumps(call["output"])}')
+    if given.mask is not None and given.image is None:
         raise RequestError(400, "field 'mask' goes with field 'image': the picture to inpaint")
-    strength = body.get("strength")
-    if strength is not None:
-        if image is None:
-            raise RequestError(400, "field 'strength' goes with field 'image'")
-        if isinstance(strength, bool) or not isinstance(strength, int | float) or not 0 < strength <= 1:
-            raise RequestError(400, f"field 'strength' must be a number above 0 and at most 1, got "
-                                    f"{json.dumps(strength)}")
-    if image is not None and video:
+    if given.strength is not None and given.image is None:
+        raise RequestError(400, "field 'strength' goes with field 'image'")
+    if given.image is not None and video:
         raise RequestError(400, "field 'image': this server makes videos from text only")
-    request = {"prompt": prompt, "negative_prompt": negative, "steps": integer("steps", 1, max_steps),
-               "guidance_scale": float(guidance), "height": integer("height", 1), "width": integer("width", 1),
-               "seed": integer("seed", 0, 2**63 - 1), "images": integer("images", 1, max_images),
-               "frames": integer("frames", 1) if video else None, "output": output, "lora": lora,
-               "lora_scale": None if lora is None else float(adapters[lora] if scale is None else scale),
-               "image": image, "mask": mask, "strength": None if strength is None else float(strength),
-               "weights": weights}
-    if output == single and request["images"] > 1:
+    call.update(guidance_scale=float(call["guidance_scale"]), frames=call["frames"] if video else None,
+                lora_scale=None if given.lora is None else float(adapters[given.lora] if given.lora_scale is None
+                                                                  else given.lora_scale),
+                strength=None if given.strength is None else float(given.strength),
+                image=picture_field(call, "image", "RGB"), mask=picture_field(call, "mask", "L"))
+    if call["output"] == single and call["images"] > 1:
         made = "video" if video else "image"
         raise RequestError(400, f'"output": "{single}" returns one {made}; ask "output": "json" for '
-                                f'{request["images"]}')
-    return request
+                                f'{call["images"]}')
+    return call
+
+
+def validated(model: Any, body: Any, ranges: dict[str, tuple[int, int | None]], names: dict[str, str],
+              single: str = "png") -> Any:
+    """`body` as the pydantic `model`, its first error said in the request's terms (an unknown
+    field before any other).
+
+    Raises:
+        RequestError: 400, naming the field as the client wrote it and what it takes.
+    """
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        raise RequestError(400, _said(errors[0], model, ranges, names, single)) from None
+
+
+def _said(error: dict[str, Any], model: Any, ranges: dict[str, tuple[int, int | None]], names: dict[str, str],
+          single: str) -> str:
+    """One pydantic error as this server says it."""
+    kind, value = error["type"], error.get("input")
+    if kind == "model_type":
+        return 'the body must be a JSON object, e.g. {"prompt": "a red fox"}'
+    name = str(error["loc"][0])
+    shown = names.get(name, name)
+    if kind == "extra_forbidden":
+        return f"unknown field {name!r}; the fields are: {', '.join(model.model_fields)}"
+    if name == "prompt" and kind in ("missing", "string_type"):
+        return "field 'prompt' is required: a non-empty string"
+    if kind == "string_too_long":
+        return f"field {shown!r} has {len(value)} characters; this server takes {MAX_PROMPT_CHARS} at most"
+    if kind == "literal_error" and name == "output":
+        return f'field \'output\' is "{single}" or "json", got {json.dumps(value)}'
+    if kind == "literal_error" and name == "response_format":
+        return (f"field 'response_format' is {json.dumps(value)}; this server returns images in the response only "
+                f'("b64_json")')
+    if kind == "string_pattern_mismatch" and name == "size":
+        return f'field \'size\' is {json.dumps(value)}; give "WIDTHxHEIGHT", e.g. "1024x1024"'
+    if name in ranges:
+        if kind in ("greater_than_equal", "less_than_equal"):
+            return _out_of_range(name, value, ranges, names)
+        return f"field {shown!r} must be an integer, got {json.dumps(value, default=str)}"
+    rule = FIELD_RULES.get(name, f"a {model.model_fields[name].annotation}")
+    return f"field {shown!r} must be {rule}, got {json.dumps(value, default=lambda v: f'{len(v)} bytes')}"
+
+
+def _out_of_range(name: str, value: int, ranges: dict[str, tuple[int, int | None]], names: dict[str, str]) -> str:
+    low, high = ranges[name]
+    shown = names.get(name, name)
+    limit = f"{low} to {high}" if high is not None else f"at least {low}"
+    shared = list(names.values()).count(shown) > 1  # `size` gives height and width
+    return f"field {shown!r} is {f'{name} {value}' if shared else value}; this server takes {limit}"
 
 
 def picture_field(body: dict[str, Any], name: str, mode: str) -> Any:
