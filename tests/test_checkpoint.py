@@ -236,6 +236,32 @@ def test_each_layer_imports_only_from_the_layers_below_it():
     assert {_layer(module) for module in modules.values()} == {*LAYERS, "root"}  # every folder is read
 
 
+def test_every_import_of_an_aotbuild_name_resolves():
+    """An import inside a function runs only when the function does: one naming a module or a name
+    that is not there (left behind by a move) fails here, not in a user's call."""
+    import ast
+    import importlib
+    import importlib.util
+
+    missing = []
+    for path in sorted((ROOT / "aotbuild").rglob("*.py")):
+        package = path.parent.relative_to(ROOT).parts
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("aotbuild")):
+                continue
+            base = package[:len(package) - node.level + 1] if node.level else ()
+            module = ".".join((*base, *(node.module.split(".") if node.module else ())))
+            try:
+                found = importlib.import_module(module)
+            except ImportError as exc:
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {module}: {exc}")
+                continue
+            names = [alias.name for alias in node.names]
+            missing += [f"{path.relative_to(ROOT)}:{node.lineno} {module}.{name}" for name in names
+                        if not hasattr(found, name) and importlib.util.find_spec(f"{module}.{name}") is None]
+    assert missing == []
+
+
 def _private_names(path) -> list[str]:
     """Private names of torch, Ray and diffusers a source file imports or reaches by attribute."""
     import ast

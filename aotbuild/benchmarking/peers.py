@@ -148,9 +148,9 @@ def reference_call(target: Any, spec: Any) -> tuple[Any, Any, Any]:
     call the pipeline makes to it at the first bucket, with its output."""
     import torch
 
-    from . import capture
-    from .builder.capturing import load_source_pipeline
-    from .pipelines import UNGUIDED, pipeline_spec
+    from ..builder import capture
+    from ..builder.capturing import load_source_pipeline
+    from ..spec.pipelines import UNGUIDED, pipeline_spec
 
     pipeline = pipeline_spec(target.pipeline)
     pipe = load_source_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))

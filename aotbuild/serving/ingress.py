@@ -7,6 +7,7 @@ as objects."""
 
 import asyncio
 import base64
+import functools
 import json
 import logging
 import time
@@ -151,47 +152,62 @@ def http_api(front: Ingress) -> Any:
     with its request's model; a path or method the server does not answer, said with what it
     does. Bodies are read here, not by FastAPI: within MAX_BODY_BYTES, as JSON without NaN or
     Infinity, or as a multipart form."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from starlette.exceptions import HTTPException
 
     from ..spec.manifest import aotbuild_version
-    from .models import ImageRequest, OpenAIImageRequest
 
     api = FastAPI(title="aotbuild", version=aotbuild_version(), redoc_url=None,
                   description="Images (videos) from an ahead-of-time compiled diffusers pipeline.")
+    api.state.front = front  # the routes find it here: FastAPI caches what it learns of each endpoint, for good
+    for path, method, endpoint, options in _routes():
+        api.add_api_route(path, endpoint, methods=[method], **options)
+    api.add_middleware(_TrailingSlash)
+    api.add_exception_handler(HTTPException, _unrouted)
+    return api
+
+
+@functools.cache
+def _routes() -> list[tuple[str, str, Any, dict[str, Any]]]:
+    """Every route's (path, method, endpoint, FastAPI options); the endpoints are made once per
+    process and reach their `Ingress` through the app (`request.app.state.front`)."""
+    from fastapi import Request
+
+    from .models import ImageRequest, OpenAIImageRequest
+
+    async def generate(request: Request) -> Any:
+        return await request.app.state.front.make(request, "")
+
+    async def openai_generations(request: Request) -> Any:
+        return await request.app.state.front.make(request, OPENAI_ROUTE)
+
+    async def openai_edits(request: Request) -> Any:
+        return await request.app.state.front.make(request, OPENAI_EDITS_ROUTE)
+
+    async def health(request: Request) -> Any:
+        return await request.app.state.front.health()
+
     made = {200: {"description": "the image (PNG), the video (MP4), or JSON with base64 ones",
                   "content": {"image/png": {}, "video/mp4": {}, "application/json": {}}}}
+    return [("/", "POST", generate, {"summary": "Make images (videos)", "responses": made,
+                                     "openapi_extra": _body(ImageRequest, files=True)}),
+            (OPENAI_ROUTE, "POST", openai_generations, {"summary": "OpenAI's images request",
+                                                        "openapi_extra": _body(OpenAIImageRequest)}),
+            (OPENAI_EDITS_ROUTE, "POST", openai_edits, {"summary": "OpenAI's edits request (an image, and a mask)",
+                                                        "openapi_extra": _body(OpenAIImageRequest, files=True)}),
+            (HEALTH_ROUTE, "GET", health,
+             {"summary": "200 once a replica's compiled models are loaded; 503 when it fails"})]
 
-    @api.post("/", summary="Make images (videos)", responses=made, openapi_extra=_body(ImageRequest, files=True))
-    async def generate(request: Request) -> Any:
-        return await front.make(request, "")
 
-    @api.post(OPENAI_ROUTE, summary="OpenAI's images request", openapi_extra=_body(OpenAIImageRequest))
-    async def openai_generations(request: Request) -> Any:
-        return await front.make(request, OPENAI_ROUTE)
-
-    @api.post(OPENAI_EDITS_ROUTE, summary="OpenAI's edits request (an image, and a mask)",
-              openapi_extra=_body(OpenAIImageRequest, files=True))
-    async def openai_edits(request: Request) -> Any:
-        return await front.make(request, OPENAI_EDITS_ROUTE)
-
-    @api.get(HEALTH_ROUTE, summary="200 once a replica's compiled models are loaded; 503 when it fails")
-    async def health() -> Any:
-        return await front.health()
-
-    api.add_middleware(_TrailingSlash)
-
-    @api.exception_handler(HTTPException)
-    async def unrouted(request: Request, exc: HTTPException) -> Any:  # FastAPI's router: 404 and 405
-        path, request_id = _route(request), uuid.uuid4().hex[:16]
-        if exc.status_code == 405:
-            return front.refused(405, f"{request.method} {path or '/'}: this route takes {ROUTES[path]}", request_id,
-                                 path in (OPENAI_ROUTE, OPENAI_EDITS_ROUTE))
-        routes = ", ".join(f"{method} {route or '/'}" for route, method in ROUTES.items())
-        return front.refused(exc.status_code, f"no such route: {request.method} {path or '/'}; this server answers "
-                                              f"{routes}, GET /docs", request_id, False)
-
-    return api
+async def _unrouted(request: Any, exc: Any) -> Any:
+    """FastAPI's router's 404 and 405, in this server's words."""
+    front, path, request_id = request.app.state.front, _route(request), uuid.uuid4().hex[:16]
+    if exc.status_code == 405:
+        return front.refused(405, f"{request.method} {path or '/'}: this route takes {ROUTES[path]}", request_id,
+                             path in (OPENAI_ROUTE, OPENAI_EDITS_ROUTE))
+    routes = ", ".join(f"{method} {route or '/'}" for route, method in ROUTES.items())
+    return front.refused(exc.status_code, f"no such route: {request.method} {path or '/'}; this server answers "
+                                          f"{routes}, GET /docs", request_id, False)
 
 
 class _TrailingSlash:
