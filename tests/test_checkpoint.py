@@ -203,22 +203,30 @@ def _is_module(module: str) -> bool:
     return path.is_dir() or path.with_suffix(".py").is_file()
 
 
+def _from_imports(path):
+    """(line, module, names) of each `from aotbuild... import names` in a source file, anywhere in
+    it (top level or inside functions), relative imports resolved."""
+    import ast
+
+    package = path.parent.relative_to(ROOT).parts  # ("aotbuild",) or ("aotbuild", "runtime")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("aotbuild")):
+            base = package[:len(package) - node.level + 1] if node.level else ()
+            module = ".".join((*base, *(node.module.split(".") if node.module else ())))
+            yield node.lineno, module, [alias.name for alias in node.names]
+
+
 def _imported(path) -> set[str]:
     """The aotbuild modules a source file imports anywhere in it (top level or inside functions)."""
     import ast
 
-    package = path.parent.relative_to(ROOT).parts  # ("aotbuild",) or ("aotbuild", "runtime")
     found = set()
+    for _, module, names in _from_imports(path):
+        # `from . import capture` imports a module; `from .. import __version__` a name: count its package
+        found |= {f"{module}.{name}" if _is_module(f"{module}.{name}") else module for name in names}
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[:len(package) - node.level + 1]
-            names = [node.module] if node.module else [alias.name for alias in node.names]
-            modules = [".".join((*base, *name.split("."))) for name in names]
-            # `from .. import __version__` imports a name, not a module: count its package
-            found |= {m if _is_module(m) else m.rsplit(".", 1)[0] for m in modules}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            modules = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            found |= {m for m in modules if m and m.startswith("aotbuild")}
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("aotbuild")}
     return found
 
 
@@ -239,25 +247,18 @@ def test_each_layer_imports_only_from_the_layers_below_it():
 def test_every_import_of_an_aotbuild_name_resolves():
     """An import inside a function runs only when the function does: one naming a module or a name
     that is not there (left behind by a move) fails here, not in a user's call."""
-    import ast
     import importlib
     import importlib.util
 
     missing = []
     for path in sorted((ROOT / "aotbuild").rglob("*.py")):
-        package = path.parent.relative_to(ROOT).parts
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("aotbuild")):
-                continue
-            base = package[:len(package) - node.level + 1] if node.level else ()
-            module = ".".join((*base, *(node.module.split(".") if node.module else ())))
+        for line, module, names in _from_imports(path):
             try:
                 found = importlib.import_module(module)
             except ImportError as exc:
-                missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {module}: {exc}")
+                missing.append(f"{path.relative_to(ROOT)}:{line} {module}: {exc}")
                 continue
-            names = [alias.name for alias in node.names]
-            missing += [f"{path.relative_to(ROOT)}:{node.lineno} {module}.{name}" for name in names
+            missing += [f"{path.relative_to(ROOT)}:{line} {module}.{name}" for name in names
                         if not hasattr(found, name) and importlib.util.find_spec(f"{module}.{name}") is None]
     assert missing == []
 

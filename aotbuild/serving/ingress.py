@@ -7,6 +7,7 @@ as objects."""
 
 import asyncio
 import base64
+import copy
 import functools
 import json
 import logging
@@ -31,13 +32,15 @@ from .schema import (
 _log = logging.getLogger(__name__)
 
 
+def _below_prefix(scope: dict[str, Any]) -> str:
+    """A request's path below the application's route prefix (Ray Serve mounts it at `root_path`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def _route(request: Any) -> str:
-    """The request's path below the application's route prefix (Ray Serve mounts it at
-    `root_path`), without a trailing slash: "" for POST /, "/health"."""
-    path, root = request.url.path, request.scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root):]
-    return path.rstrip("/")
+    """The request's route, its key in ROUTES: "" for POST /, "/health"."""
+    return _below_prefix(request.scope).rstrip("/")
 
 
 class Ingress:
@@ -220,8 +223,7 @@ class _TrailingSlash:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            root, path = scope.get("root_path", ""), scope["path"]
-            route = path[len(root):] if root and path.startswith(root) else path
+            path, route = scope["path"], _below_prefix(scope)
             exact = "/" + route.strip("/")
             if exact != route:
                 scope = {**scope, "path": path[:len(path) - len(route)] + exact}
@@ -237,7 +239,7 @@ def _body(model: Any, files: bool = False) -> dict[str, Any]:
     schema = model.model_json_schema()
     content = {"application/json": {"schema": schema}}
     if files:
-        fields = model.model_json_schema()
+        fields = copy.deepcopy(schema)
         for name in ("image", "mask"):
             fields["properties"][name] = {"type": "string", "format": "binary", "description": PICTURE}
         content["multipart/form-data"] = {"schema": fields}
