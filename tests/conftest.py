@@ -73,12 +73,13 @@ _BUILT: dict[str, SimpleNamespace] = {}  # target hash -> build: each target com
 PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-inpaint", "cpu-tiny-sdxl-regional",
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-qwen-image-edit-plus",
-              "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack", "cpu-tiny-sdxl-bf16-prepack"),
+              "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack", "cpu-tiny-sdxl-bf16-prepack",
+              "cpu-tiny-sdxl-controlnet"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",
               "cpu-tiny-wan-i2v", "cpu-tiny-cogvideox", "cpu-tiny-wan", "cpu-tiny-wan-regional",
-              "cpu-tiny-sdxl-x86-64-v3"))
+              "cpu-tiny-sdxl-x86-64-v3", "cpu-tiny-sd15-controlnet"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

@@ -72,7 +72,10 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
             output = original(*args, **kwargs)
             if name not in calls:
                 call_args, call_kwargs = detached(spec.call_inputs(args, kwargs))
-                sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
+                if len(spec.output_fields) > 1:  # every output (a ControlNet's residuals, at the call's scale 1)
+                    sample = tuple(output) if isinstance(output, tuple) else output.to_tuple()
+                else:
+                    sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
                 calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), detached(sample))
             return output
 

@@ -153,7 +153,7 @@ def eager_vae_record(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) 
     else:
         reason = (f"{type(vae).__name__} is not one of the VAEs whose decoder and encoder aotbuild compiles "
                   f"({', '.join(COMPILED_VAES)})")
-    denoisers = {s.name: (getattr(pipe, s.attribute), s.method) for s in specs if s.denoiser}  # Wan 2.2: two
+    denoisers = {s.name: (getattr(pipe, s.attribute), s.method) for s in specs if s.per_step}  # Wan 2.2: two
     return {"class": type(vae).__name__, "reason": reason, "timed": {"decode": (vae, "decode"), **denoisers}}
 
 

@@ -209,7 +209,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
                     for name in examples}
         del optimized
     for s in specs:  # a denoiser takes every scheduler's timesteps: float ones, whatever the capture's were
-        if s.denoiser:
+        if s.per_step:
             for calls in examples.values():
                 if s.name in calls:  # not at a VAE tile's point
                     calls[s.name] = capture.float_timestep(calls[s.name], modules[s.name])

@@ -117,7 +117,7 @@ def batches_guidance(reference: dict[str, dict[str, capture.CapturedCall]], spec
 def served_guidance(spec: ComponentSpec, plan: VariantPlan, modes: tuple[bool, ...]) -> list | None:
     """Which guidance a denoiser's variant serves (None: not a denoiser whose batch it changes,
     `modes` empty)."""
-    if not (spec.denoiser and modes):
+    if not (spec.per_step and modes):
         return None
     served = {False if p.endswith(":unguided") else modes[0] for p in plan.points}
     return [g for g, on in (("guided", True), ("unguided", False)) if on in served]

@@ -114,13 +114,13 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
         ran = [p for p in points if p.split(":")[0] == name]
         encoding = _add_resized(target.pipeline, points, [p for p in ran if points[p].guided == modes[0]])
         for s in specs:
-            served = [p for p in ran if s.denoiser or points[p].guided == modes[0]]
+            served = [p for p in ran if s.per_step or points[p].guided == modes[0]]
             if s.part == "encoder" and (bucket.image or encoding):  # the edited images' sizes
                 _plan_encoded(plans[s.name], points, encoding or served, bucket.frames)
                 continue
             # The text does not reach the VAE decoder: it decodes the output.
             untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None, images=None)
-            if s.denoiser:
+            if s.per_step:
                 plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
             elif all(plan.bucket != untexted for plan in plans[s.name]):
                 named = variant_name(untexted) if bucket.image or points[name].resized else name
@@ -143,17 +143,17 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
             points["dynamic:base:unguided"] = dataclasses.replace(points["dynamic:base"], guided=False)
             unguided += ("dynamic:base:unguided",)
         for s in specs:
-            served = ("dynamic:base", "dynamic:min", "dynamic:max", *(unguided if both and s.denoiser else ()))
-            reached = ranges if s.denoiser else {a: r for a, r in ranges.items() if a != TEXT}
+            served = ("dynamic:base", "dynamic:min", "dynamic:max", *(unguided if both and s.per_step else ()))
+            reached = ranges if s.per_step else {a: r for a, r in ranges.items() if a != TEXT}
             if s.part == "encoder" and encoding:  # the edited images' sizes, whatever the output's
                 _plan_encoded(plans[s.name], points, encoding, points["dynamic:base"].frames)
                 continue
-            if not s.denoiser and _within_a_bucket(s, [points[p] for p in served], plans[s.name]):
+            if not s.per_step and _within_a_bucket(s, [points[p] for p in served], plans[s.name]):
                 continue  # a range of text lengths alone: the VAE sees one size
             video = {"frame_stride": frame_stride} if shapes.FRAME_AXIS in ranges else {}
             plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
                                              ranges={**reached, "stride": target.stride, **video},
-                                             images=target.dynamic_images if s.denoiser else None))
+                                             images=target.dynamic_images if s.per_step else None))
     largest = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
     for s in specs:
         if s.name in target.tiling:

@@ -22,7 +22,7 @@ from ..errors import (
 )
 from ..spec.manifest import DTYPES
 from ..spec.pipelines import pipeline_spec
-from ..spec.private_apis import IncompatibleKeys
+from ..spec.private_apis import IncompatibleKeys, accept_compiled_class
 from . import step_cache
 from .checkpoint import QUANTIZED, module_tensors, placed_writes, placement, quant_scheme
 from .guards import StandIn, check_autocast
@@ -73,6 +73,8 @@ class CompiledComponent(StandIn):
         self._unread = frozenset(entry.get("unread", ()))  # weights no compiled code binds (dead, or fused)
         self._device = context.device
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
+        if self._spec.class_checked:  # a ModelMixin to isinstance(): from_pipe keeps it only if its type is named
+            accept_compiled_class(type(self))
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
         self._parameters_out: dict[str, torch.nn.Parameter] = {}  # handed out by named_parameters()
         # What each was made as, its version then, and whether it is a copy of the bound memory.
@@ -85,6 +87,12 @@ class CompiledComponent(StandIn):
         self._traced = (traced.child(0).num_children, {name: spec for name, spec in zip(
             traced.child(1).context, traced.child(1).children(), strict=True) if name != "return_dict"})
         self.last_variant: str | None = None
+        # The inputs standing for zeros that the compiled code takes (`zero_when_absent`): their shapes, as
+        # traced, and the sample's, whose batch and size they follow.
+        traced_shapes = {leaf["path"]: leaf.get("shape") for leaf in variants[0].inputs}
+        self._zeros = {path: shape for path, shape in traced_shapes.items()
+                       if path.split(".")[0] in self._spec.zero_when_absent and shape is not None}
+        self._zeros_of = variants[0].inputs[0].get("shape")
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
 
@@ -93,6 +101,18 @@ class CompiledComponent(StandIn):
             return super().__getattr__(name)
         except AttributeError:
             raise MissingAttributeError(self.__dict__.get("component_name", type(self).__name__), name) from None
+
+    @property
+    def __class__(self) -> type:  # noqa: PLE0307
+        """The model's class where the pipeline checks it (`ComponentSpec.class_checked`: diffusers'
+        ControlNet pipelines assert `isinstance(pipe.controlnet, ControlNetModel)`), else this
+        class: `isinstance(stand_in, CompiledComponent)` holds either way (it reads the type)."""
+        spec = self.__dict__.get("_spec")
+        if spec is not None and spec.class_checked:
+            import diffusers
+
+            return getattr(diffusers, self.config["_class_name"])
+        return type(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -353,7 +373,10 @@ class CompiledComponent(StandIn):
         lora_scale = pop_scale(kwargs, self._leaf_paths)  # without adapters it scales nothing, as in diffusers
         if self._lora is not None:
             self._lora.sync(lora_scale)
-        call_args, call_kwargs = self._spec.call_inputs(*self._as_traced(args, kwargs))
+        args, kwargs = self._as_traced(args, kwargs)
+        if self._zeros:
+            kwargs = self._zeros_given(args, kwargs)
+        call_args, call_kwargs = self._spec.call_inputs(args, kwargs)
         for variant in self.variants:
             leaves = variant.flatten(call_args, call_kwargs)
             if leaves is not None and variant.accepts(leaves):
@@ -361,7 +384,8 @@ class CompiledComponent(StandIn):
                 outputs = variant.run(leaves)
                 break
         else:
-            refusal = unsupported_call(self.component_name, self.variants, call_args, call_kwargs, self.denoiser)
+            refusal = unsupported_call(self.component_name, self.variants, call_args, call_kwargs,
+                                       self._spec.per_step)
             message = refusal.message
             if not self._eager:
                 # A size, text length, frame count or guidance the variants do not cover (the message
@@ -377,13 +401,38 @@ class CompiledComponent(StandIn):
             self.last_variant = "eager"
             with torch.no_grad():
                 outputs = self._spec.export_module(self._eager[0])(*call_args, **call_kwargs)
+        if self._spec.finish is not None:  # what the eager forward does after the compiled part
+            outputs = self._spec.finish(self.config, outputs, kwargs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         if not return_dict:  # the module's tuple, whatever the class it would return
             return tuple(outputs)
         if self._spec.output_class is None:  # a VAE part: the tensor, as diffusers' encoder/decoder give it
             return outputs[0]
         module_name, class_name = self._spec.output_class.rsplit(".", 1)
-        return getattr(importlib.import_module(module_name), class_name)(sample=outputs[0])
+        output_class = getattr(importlib.import_module(module_name), class_name)
+        return output_class(**dict(zip(self._spec.output_fields, outputs, strict=False)))
+
+    def _zeros_given(self, args: tuple, kwargs: dict) -> dict:
+        """The call with zeros for each `zero_when_absent` input it leaves out (a UNet compiled with
+        a ControlNet's residuals, called with no ControlNet): shaped as traced, at the sample's batch
+        and size (the first input), in its dtype, on its device; a list where the traced call had
+        several (diffusers' ControlNet pipelines pass a list)."""
+        sample = args[0] if args else next(iter(kwargs.values()))
+        if not isinstance(sample, torch.Tensor) or all(kwargs.get(name) is not None
+                                                       for name in self._spec.zero_when_absent):
+            return kwargs
+        traced = self._zeros_of
+        filled: dict[str, Any] = {}
+        for path, shape in self._zeros.items():
+            zeros = sample.new_zeros(sample.shape[0], shape[1],
+                                     *(size * now // then for size, now, then in zip(shape[2:], sample.shape[2:],
+                                                                                      traced[2:], strict=True)))
+            head, _, index = path.partition(".")
+            if index:
+                filled.setdefault(head, []).append(zeros)
+            else:
+                filled[head] = zeros
+        return {**kwargs, **{name: value for name, value in filled.items() if kwargs.get(name) is None}}
 
     def _fallback_differs(self) -> str | None:
         """Why the eager module kept for the fallback would not compute with the bound weights."""

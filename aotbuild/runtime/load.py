@@ -33,6 +33,7 @@ from ..spec.manifest import (
     validated_with_tf32,
 )
 from ..spec.pipelines import PipelineSpec, pipeline_spec, runtime_config_keys
+from ..spec.private_apis import accept_compiled_class
 from .artifacts import artifact_folder
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
@@ -164,7 +165,9 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
             applied to them (`checkpoint.checkpoint_constants`); tensors that need no change are
             bound by pointer. Their config too: the stand-in keeps each module's own config
             (`pipe.vae.config.scaling_factor` is the module's), once every key compiled into the
-            code holds the artifact's value (`checkpoint.checkpoint_config`).
+            code holds the artifact's value (`checkpoint.checkpoint_config`). A
+            `MultiControlNetModel` gives one compiled ControlNet per model it holds, each with its
+            own weights, in a `MultiControlNetModel`.
 
     Returns:
         (manifest, {pipeline attribute: CompiledComponent}).
@@ -173,6 +176,8 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         IncompatibleArtifactError (also: a `weights` module of another architecture),
         CorruptArtifactError.
     """
+    from diffusers import MultiControlNetModel
+
     folder = Path(folder)
     manifest = read_manifest(folder)
     device = torch.device(device or manifest["environment"]["device_type"])
@@ -191,44 +196,78 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     if not manifest.get("pipeline", {}).get("curated", True):
         warnings.warn(f"aotbuild: {spec.class_name} was {manifest['pipeline']['note']}", UncuratedPipelineWarning,
                       stacklevel=3)
-    recipe = manifest["target"]["optimize"].get("quantize")
     with open_artifact_files(folder, manifest, verify=verify) as files:
         for name, entry in manifest["components"].items():
-            layouts = entry["constants"].get("layouts", {})
             source = (weights or {}).get(name)
-            # The weights as the check opened them: the folder may be replaced meanwhile.
-            stored = files.path(entry["weights"])
-            config = entry["config"]
-            if source is None:
-                tensors = load_weights(stored, context.device, layouts)
-            else:  # the artifact's file gives the layouts only: mapped, never read
-                config = checkpoint_config(name, entry["config"], source.config, type(source),
-                                           runtime_config_keys(spec.component(name), manifest["target"]["dtype"]))
-                tensors = checkpoint_constants(
-                    name, module_tensors(spec.component(name).export_module(source)),
-                    load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
-                    DTYPES[entry["dtype"]], recipe, context.device, entry.get("unread", ()))
-            package = folder / entry["package"]  # extracted only from bytes of the checked hash
-            sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
-            variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
-            if source is None and regional is None:  # weights only packed: read once, now out of memory
-                reads = [v.weight_reads() for v in variants]
-                once = set().union(*(copied for copied, _ in reads)) - set().union(*(code for _, code in reads))
-                release_pages(stored, [tensors[fqn] for fqn in once])
-            base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
-            cls = lora_component_class(base) if spec.component(name).denoiser else base
-            described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,
-                         "target_dtype": manifest["target"]["dtype"]}
-            component = cls(name, described, variants, tensors, context, eager=(eager or {}).get(name), **extra)
+            eager_module = (eager or {}).get(name)
+            if isinstance(source, MultiControlNetModel):  # several ControlNets: one compiled model each
+                modules[entry["attribute"]] = compiled_multi_controlnet()([
+                    _load_component(folder, files, manifest, name, net, context, eager_module and eager_module.nets[i])
+                    for i, net in enumerate(source.nets)])
+                continue
+            component = _load_component(folder, files, manifest, name, source, context, eager_module)
             part = spec.component(name).part
             if part is None:
                 modules[entry["attribute"]] = component
             else:  # the VAE's parts share one stand-in, made once all are loaded
-                parts.setdefault(entry["attribute"], (config, {}))[1][part] = component
+                parts.setdefault(entry["attribute"], (component.config, {}))[1][part] = component
     for attribute, (config, found) in parts.items():
         modules[attribute] = autoencoder_class(config.get("_class_name", "AutoencoderKL"))(config, found)
     serve_default_size(manifest, modules)
     return manifest, modules
+
+
+@functools.cache
+def compiled_multi_controlnet() -> type:
+    """diffusers' MultiControlNetModel over compiled ControlNets: its dtype and device are its first
+    net's (diffusers reads them from parameters, which stand-ins keep no module of); `from_pipe`
+    keeps it."""
+    from diffusers import MultiControlNetModel
+
+    class CompiledMultiControlNet(MultiControlNetModel):
+        @property
+        def dtype(self) -> torch.dtype:
+            return self.nets[0].dtype
+
+        @property
+        def device(self) -> torch.device:
+            return self.nets[0].device
+
+    accept_compiled_class(CompiledMultiControlNet)
+    return CompiledMultiControlNet
+
+
+def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: str, source: torch.nn.Module | None,
+                    context: LoadContext, eager: torch.nn.Module | None) -> CompiledComponent:
+    """One compiled component's stand-in, bound to the artifact's weights or to `source`'s."""
+    spec = pipeline_spec(manifest["target"]["pipeline"])
+    entry = manifest["components"][name]
+    layouts = entry["constants"].get("layouts", {})
+    recipe = manifest["target"]["optimize"].get("quantize")
+    # The weights as the check opened them: the folder may be replaced meanwhile.
+    stored = files.path(entry["weights"])
+    config = entry["config"]
+    if source is None:
+        tensors = load_weights(stored, context.device, layouts)
+    else:  # the artifact's file gives the layouts only: mapped, never read
+        config = checkpoint_config(name, entry["config"], source.config, type(source),
+                                   runtime_config_keys(spec.component(name), manifest["target"]["dtype"]))
+        tensors = checkpoint_constants(
+            name, module_tensors(spec.component(name).export_module(source)),
+            load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
+            DTYPES[entry["dtype"]], recipe, context.device, entry.get("unread", ()))
+    package = folder / entry["package"]  # extracted only from bytes of the checked hash
+    sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
+    variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
+    if source is None and regional is None:  # weights only packed: read once, now out of memory
+        reads = [v.weight_reads() for v in variants]
+        once = set().union(*(copied for copied, _ in reads)) - set().union(*(code for _, code in reads))
+        release_pages(stored, [tensors[fqn] for fqn in once])
+    base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
+    cls = lora_component_class(base) if spec.component(name).denoiser else base
+    described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,
+                 "target_dtype": manifest["target"]["dtype"]}
+    return cls(name, described, variants, tensors, context, eager=eager, **extra)
 
 
 class UncuratedPipelineWarning(UserWarning):

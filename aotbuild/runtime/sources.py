@@ -237,10 +237,25 @@ def _random_component(cls: type, folder: Path, seed: int) -> Any:
             if hasattr(cls, "config_class"):  # transformers model
                 return cls._from_config(cls.config_class.from_pretrained(folder))
             if hasattr(cls, "from_config") and hasattr(cls, "load_config"):  # diffusers model or scheduler
-                return cls.from_config(cls.load_config(folder))
+                made = cls.from_config(cls.load_config(folder))
+                if "ControlNet" in cls.__name__:
+                    _unzeroed(made)
+                return made
             return _weightless(cls, folder)
     finally:
         _random_init_seconds += time.perf_counter() - start
+
+
+def _unzeroed(model: Any) -> None:
+    """Seeded random values for a fresh ControlNet's zero-initialized weights (its zero
+    convolutions, made so that training starts from the base model): with them zero it adds
+    nothing, and a random ControlNet should steer the image as a trained one does."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1 and not parameter.any():
+                parameter.normal_(0.0, parameter[0].numel() ** -0.5)
 
 
 def _weightless(cls: type, folder: Path) -> Any:

@@ -109,6 +109,18 @@ class ComponentSpec:
             pipeline or the stand-in does: `VAE_RUNTIME_CONFIG`), with who reads them; another
             checkpoint's values of these are used. Every other key is compiled into the code, and
             another checkpoint must hold the artifact's value (`checkpoint.checkpoint_config`).
+        beside_denoiser: called each step beside the denoiser, on the denoiser's batch (a
+            ControlNet): planned, batched under guidance and held to the pipeline call as the
+            denoiser is; no LoRA goes into it.
+        output_fields: the fields of `output_class`, in the order the forward's tuple holds them.
+        finish: what the eager forward does after the part compiled at fixed arguments, given
+            the module's config, the compiled outputs and the call's keyword arguments (a
+            ControlNet's conditioning scale and guess mode); None: nothing.
+        zero_when_absent: inputs a call may leave out that stand for zeros the model adds (a
+            ControlNet's residuals, which a UNet adds to its skip connections): a model compiled
+            with them serves a call without them, given zeros, exactly (x + 0 is x).
+        class_checked: the pipeline checks `isinstance(module, <its class>)` (diffusers' ControlNet
+            pipelines assert it): the stand-in reports the model's class as its `__class__`.
     """
 
     name: str
@@ -123,6 +135,16 @@ class ComponentSpec:
     random_call: Callable[[torch.nn.Module, int, int, int, torch.Generator], CallInputs] | None = None
     recorded: bool = True
     runtime_config: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    beside_denoiser: bool = False
+    output_fields: tuple[str, ...] = ("sample",)
+    finish: Callable[[Mapping[str, Any], Any, dict[str, Any]], Any] | None = None
+    zero_when_absent: tuple[str, ...] = ()
+    class_checked: bool = False
+
+    @property
+    def per_step(self) -> bool:
+        """Called every step on the denoiser's batch: the denoiser, or a model beside it."""
+        return self.denoiser or self.beside_denoiser
 
 
 @dataclass(frozen=True)
@@ -197,6 +219,7 @@ UNET = ComponentSpec(
     output_class="diffusers.models.unets.unet_2d_condition.UNet2DConditionOutput",
     read_attributes=("add_embedding.linear_1.in_features",),
     denoiser=True,
+    zero_when_absent=("down_block_additional_residuals", "mid_block_additional_residual"),
 )
 
 TRANSFORMER = ComponentSpec(
@@ -207,6 +230,42 @@ TRANSFORMER = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
     denoiser=True,
+)
+
+
+
+def _unscaled_residuals(args: tuple, kwargs: dict) -> CallInputs:
+    """A ControlNet is compiled at conditioning_scale 1 and guess mode off: its residuals as the
+    network makes them. The stand-in scales them as diffusers' forward does (`_scaled_residuals`),
+    so one model serves every scale, the guidance window (scale 0 outside it) and guess mode."""
+    return tuple(args), {**kwargs, "conditioning_scale": 1.0, "guess_mode": False, "return_dict": False}
+
+
+def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
+    """ControlNetModel.forward's scaling (its step 6), on residuals made at scale 1: the same
+    operations on the same values, so the result is eager's bit for bit. (A model with
+    `global_pool_conditions` pools before this scales: equal up to rounding.)"""
+    import torch
+
+    scale, guess_mode = kwargs.get("conditioning_scale", 1.0), kwargs.get("guess_mode", False)
+    down, mid = outputs
+    if guess_mode and not config.get("global_pool_conditions"):
+        scales = torch.logspace(-1, 0, len(down) + 1, device=mid.device) * scale  # 0.1 to 1.0
+        return [sample * s for sample, s in zip(down, scales, strict=False)], mid * scales[-1]
+    return [sample * scale for sample in down], mid * scale
+
+
+CONTROLNET = ComponentSpec(
+    name="controlnet",
+    attribute="controlnet",
+    method="forward",
+    export_module=_same_module,
+    call_inputs=_unscaled_residuals,
+    output_class="diffusers.models.controlnets.controlnet.ControlNetOutput",
+    beside_denoiser=True,
+    output_fields=("down_block_res_samples", "mid_block_res_sample"),
+    finish=_scaled_residuals,
+    class_checked=True,
 )
 
 # The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
@@ -347,6 +406,32 @@ for _text2img, _inpaint in (("StableDiffusionXLPipeline", "StableDiffusionXLInpa
                             ("StableDiffusionPipeline", "StableDiffusionInpaintPipeline")):
     PIPELINES[_inpaint] = dataclasses.replace(PIPELINES[_text2img], class_name=_inpaint, capture_extras=_inpaint_extras)
 
+
+def _control_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    """A ControlNet text-to-image call's control image: seeded, at the call's size."""
+    return {"image": seeded_image(height, width)}
+
+
+def _control_img2img_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    """A ControlNet img2img call's image to start from and control image (strength 1: the first
+    step runs at the first timestep, as text-to-image's does)."""
+    return {"image": seeded_image(height, width), "control_image": seeded_image(height, width), "strength": 1.0}
+
+
+def _control_inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    return {**_inpaint_extras(batch, height, width), "control_image": seeded_image(height, width)}
+
+
+# ControlNet pipelines: the denoiser's components and a ControlNet, called each step before the
+# UNet with the control image; the UNet takes its residuals.
+for _base, _family in (("StableDiffusionXLPipeline", "StableDiffusionXLControlNet"),
+                       ("StableDiffusionPipeline", "StableDiffusionControlNet")):
+    for _suffix, _extras in (("", _control_extras), ("Img2Img", _control_img2img_extras),
+                             ("Inpaint", _control_inpaint_extras)):
+        _class = f"{_family}{_suffix}Pipeline"
+        PIPELINES[_class] = dataclasses.replace(
+            PIPELINES[_base], class_name=_class, capture_extras=_extras,
+            components={**PIPELINES[_base].components, "controlnet": CONTROLNET})
 
 # Flux Kontext: FluxPipeline's components and text encoders; an edited image's latents are packed
 # into tokens after the generated ones (so a bucket names the image's size too), and its VAE

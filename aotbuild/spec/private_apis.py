@@ -282,13 +282,15 @@ _COMPILED_CLASSES: list[type] = []
 def accept_compiled_class(cls: type) -> None:
     """diffusers' `DiffusionPipeline._get_signature_types`, widened: `from_pipe` keeps a
     ModelMixin only when its class is the very one the new pipeline's signature names
-    (`UNet2DConditionModel`); the compiled denoiser, a ModelMixin of its own class, would be
-    dropped and the new pipeline refused. Every signature's accepted types get the compiled
+    (`UNet2DConditionModel`); the compiled denoiser, a ModelMixin of its own class (and a
+    compiled ControlNet, whose `__class__` is its model's), would be dropped and the new
+    pipeline refused. Every signature's accepted types get the compiled
     classes (read by `from_pipe` and `from_pretrained` only). Without it:
     `Img2ImgPipeline.from_pipe(pipe)` loses the compiled denoiser."""
     from diffusers import DiffusionPipeline
 
-    _COMPILED_CLASSES.append(cls)  # the whole-model and the regional denoiser
+    if cls not in _COMPILED_CLASSES:  # the whole-model and the regional denoiser, a compiled ControlNet
+        _COMPILED_CLASSES.append(cls)
     original = DiffusionPipeline.__dict__["_get_signature_types"].__func__
     if getattr(original, "accepts_compiled", False):
         return

@@ -1,0 +1,196 @@
+"""ControlNet pipelines (SDXL's and SD 1.5's, text-to-image, img2img, inpainting): the ControlNet is
+a compiled component called each step beside the UNet, compiled at conditioning scale 1 with guess
+mode off and scaled as diffusers' forward scales, so every scale, guidance window and guess mode is
+one model; the UNet takes its residuals, and serves calls with no ControlNet (from_pipe to the
+plain pipeline) with zeros for them. Compiled == eager with the same seeds for each of those calls,
+guidance off, a LoRA, another ControlNet of the same architecture (weights as data), two
+ControlNets; another architecture and uncovered sizes are refused in the user's terms."""
+
+from __future__ import annotations
+
+import copy
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+import aotbuild
+from aotbuild.builder.targets import load_target
+from aotbuild.errors import ShapeNotSupportedError, WeightsMismatchError
+from aotbuild.runtime.component import CompiledComponent
+from aotbuild.spec.pipelines import PIPELINES, _inpaint_extras, seeded_image
+
+from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
+
+ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~2e-6
+PROMPT = "a red fox in the snow"
+
+
+def run(pipe, height: int = 64, width: int = 64, **call):
+    call = {"num_inference_steps": 3, "output_type": "np", "height": height, "width": width, **call}
+    return pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images
+
+
+def both(compiled, eager, **call):
+    return same_as_eager(run, compiled, eager, ATOL, **call)
+
+
+def test_controlnet_scaling_is_diffusers_own():
+    """The stand-in's scaling of residuals made at scale 1 (guess mode off) gives what the eager
+    forward gives at each scale and guess mode, bit for bit (fails by name if diffusers changes it)."""
+    config = load_target(TARGETS / "cpu-tiny-sdxl-controlnet.toml")
+    controlnet = eager_pipeline(config).controlnet
+    generator = torch.Generator("cpu").manual_seed(0)
+    call = {"sample": torch.randn(2, 4, 32, 32, generator=generator), "timestep": torch.tensor(500.0),
+            "encoder_hidden_states": torch.randn(2, 77, 64, generator=generator),
+            "controlnet_cond": torch.rand(2, 3, 64, 64, generator=generator),
+            "added_cond_kwargs": {"text_embeds": torch.randn(2, 32, generator=generator),
+                                  "time_ids": torch.randn(2, 6, generator=generator)}}
+    spec = PIPELINES["StableDiffusionXLControlNetPipeline"].components["controlnet"]
+    with torch.no_grad():
+        args, kwargs = spec.call_inputs((), call)
+        raw = controlnet(*args, **kwargs)
+        for scale, guess_mode in ((1.0, False), (0.35, False), (0.0, False), (0.7, True)):
+            want = controlnet(**call, conditioning_scale=scale, guess_mode=guess_mode, return_dict=False)
+            got = spec.finish(controlnet.config, raw, {"conditioning_scale": scale, "guess_mode": guess_mode})
+            for g, w in zip([*got[0], got[1]], [*want[0], want[1]], strict=True):
+                assert torch.equal(g, w), (scale, guess_mode)
+
+
+def loaded(tmp_path_factory, name: str):
+    """(target, build, compiled pipeline, eager pipeline)."""
+    target = load_target(TARGETS / f"{name}.toml")
+    built = build_once(tmp_path_factory, target)
+    return target, built, aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-sdxl-controlnet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [
+    {}, {"controlnet_conditioning_scale": 0.5}, {"control_guidance_start": 0.4, "control_guidance_end": 0.8},
+    {"guess_mode": True}, {"guess_mode": True, "controlnet_conditioning_scale": 0.7}, {"guidance_scale": 1.0},
+    {"image_size": (40, 40)},  # a control image of another size: the pipeline resizes it
+], ids=["default", "scale", "window", "guess", "guess-scale", "unguided", "resized"])
+def test_controlnet_calls_match_eager(sdxl, call):
+    _, built, compiled, eager = sdxl
+    image = seeded_image(*call.pop("image_size", (64, 64)))
+    both(compiled, eager, image=image, **call)
+    assert (compiled.controlnet.last_variant, compiled.unet.last_variant) == ("b1_64x64", "b1_64x64")
+    assert isinstance(compiled.controlnet, diffusers.ControlNetModel)  # what the pipeline asserts
+    assert isinstance(compiled.controlnet, CompiledComponent)
+    assert built.manifest["components"]["controlnet"]["variants"][0]["guidance"] == ["guided", "unguided"]
+
+
+@pytest.mark.slow
+def test_the_control_image_steers_the_image(sdxl):
+    """A random ControlNet's zero convolutions are seeded too: without that the test above could not fail."""
+    _, _, compiled, _ = sdxl
+    image = seeded_image(64, 64)
+    without = run(compiled, image=image, controlnet_conditioning_scale=0.0)
+    assert np.abs(run(compiled, image=image) - without).max() > 0.05
+
+
+@pytest.mark.slow
+def test_the_plain_pipeline_runs_the_same_unet_without_residuals(sdxl):
+    """from_pipe to StableDiffusionXLPipeline: the UNet compiled with residual inputs is given zeros
+    for them, and computes what the eager UNet computes without them."""
+    _, _, compiled, eager = sdxl
+    plain, reference = (diffusers.StableDiffusionXLPipeline.from_pipe(p) for p in (compiled, eager))
+    both(plain, reference)
+    both(plain, reference, guidance_scale=1.0)
+    assert plain.unet.last_variant == "b1_64x64"
+
+
+@pytest.mark.slow
+def test_a_lora_on_the_unet_with_a_controlnet(sdxl, tmp_path):
+    target, built, _, _ = sdxl
+    compiled, eager, plain = aotbuild.load_pipeline(built.folder), eager_pipeline(target), eager_pipeline(target)
+    lora = make_lora(eager, tmp_path, seed=1)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora, adapter_name="made")
+    got = both(compiled, eager, image=seeded_image(64, 64))
+    assert np.abs(got - run(plain, image=seeded_image(64, 64))).max() > 1e-3  # the LoRA changes the image
+
+
+def _other_controlnet(config, seed: int) -> diffusers.ControlNetModel:
+    torch.manual_seed(seed)
+    model = diffusers.ControlNetModel.from_config(config)
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.05)
+    return model
+
+
+@pytest.mark.slow
+def test_another_controlnet_and_two_controlnets_run_as_data(sdxl):
+    """apply() binds the pipeline's own ControlNet (another checkpoint of the artifact's
+    architecture), and each of a MultiControlNetModel's two, with their own scales and windows."""
+    target, built, _, _ = sdxl
+    config = eager_pipeline(target).controlnet.config
+    other, second = _other_controlnet(config, 7), _other_controlnet(config, 8)
+
+    def pipeline(controlnet):
+        pipe = eager_pipeline(target)
+        return diffusers.StableDiffusionXLControlNetPipeline(**{**pipe.components, "controlnet": controlnet})
+
+    one = aotbuild.apply(pipeline(copy.deepcopy(other)), built.folder)
+    both(one, pipeline(other), image=seeded_image(64, 64))
+    two = aotbuild.apply(pipeline([copy.deepcopy(other), copy.deepcopy(second)]), built.folder)
+    assert [type(net) for net in two.controlnet.nets] == [CompiledComponent, CompiledComponent]
+    eager = pipeline([other, second])
+    images = [seeded_image(64, 64), seeded_image(32, 48)]
+    both(two, eager, image=images)
+    both(two, eager, image=images, controlnet_conditioning_scale=[0.3, 0.9], control_guidance_start=[0.0, 0.3],
+         control_guidance_end=[0.5, 1.0])
+
+
+@pytest.mark.slow
+def test_a_controlnet_of_another_architecture_is_refused(sdxl):
+    target, built, _, _ = sdxl
+    pipe = eager_pipeline(target)
+    pipe.controlnet = diffusers.ControlNetModel.from_config(
+        {**pipe.controlnet.config, "conditioning_embedding_out_channels": (8, 32)})
+    with pytest.raises(WeightsMismatchError, match=r"controlnet: the weights' config differs from the artifact's in "
+                                                   r"'conditioning_embedding_out_channels' \(\[8, 32\] in the weights, "
+                                                   r"\[16, 32\] in the artifact\)"):
+        aotbuild.apply(pipe, built.folder)
+
+
+@pytest.mark.slow
+def test_a_size_not_compiled_is_refused_in_pixels(sdxl):
+    _, _, compiled, _ = sdxl
+    with pytest.raises(ShapeNotSupportedError, match=r"controlnet: no compiled variant for this call .*1 image at "
+                                                     r"96x96 px with guidance; none compiled for 96x96 px"):
+        run(compiled, 96, 96, image=seeded_image(96, 96))
+
+
+@pytest.fixture(scope="module")
+def sd15(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-sd15-controlnet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("size", "call", "variant"), [
+    ((64, 64), {}, "b1_64x64"),
+    ((96, 32), {"num_images_per_prompt": 2}, "dynamic"),
+    ((48, 80), {"guess_mode": True}, "dynamic"),
+])
+def test_sd15_controlnet_over_a_dynamic_range(sd15, size, call, variant):
+    """The control image follows the output's size: the dynamic model's ControlNet takes it at every size."""
+    _, _, compiled, eager = sd15
+    both(compiled, eager, height=size[0], width=size[1], image=seeded_image(*size), **call)
+    assert (compiled.controlnet.last_variant, compiled.unet.last_variant) == (variant, variant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["StableDiffusionControlNetImg2ImgPipeline",
+                                      "StableDiffusionControlNetInpaintPipeline"])
+def test_sd15_controlnet_img2img_and_inpainting_through_from_pipe(sd15, pipeline):
+    _, _, compiled, eager = sd15
+    cls = getattr(diffusers, pipeline)
+    extras = _inpaint_extras(1, 64, 64) if "Inpaint" in pipeline else {"image": seeded_image(64, 64), "strength": 0.7}
+    both(cls.from_pipe(compiled), cls.from_pipe(eager), control_image=seeded_image(64, 64), **extras)
