@@ -65,6 +65,28 @@ def loaded(tmp_path_factory, name: str):
     return target, built, aotbuild.load_pipeline(built.folder), eager_pipeline(target)
 
 
+def test_a_targets_controlnet_comes_from_its_own_source(tmp_path):
+    """`controlnet = FOLDER` (or a Hub model repo): the ControlNet the build captures, beside the
+    base checkpoint's components; the key is refused on a pipeline that takes no ControlNet."""
+    import dataclasses
+
+    from aotbuild.builder.capturing import load_source_pipeline
+    from aotbuild.builder.targets import parse_target, read_target_file
+    from aotbuild.errors import TargetError
+
+    target = load_target(TARGETS / "cpu-tiny-sdxl-controlnet.toml")
+    saved = _other_controlnet(eager_pipeline(target).controlnet.config, 5)
+    saved.save_pretrained(tmp_path / "canny")
+    pipe = load_source_pipeline(dataclasses.replace(target, controlnet=str(tmp_path / "canny")),
+                                PIPELINES[target.pipeline], torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(pipe.controlnet.state_dict().values(),
+                                                 saved.state_dict().values(), strict=True))
+    assert dataclasses.replace(target, controlnet="org/canny").content_hash() != target.content_hash()
+    raw = {**read_target_file(TARGETS / "cpu-tiny-sdxl.toml"), "controlnet": "org/canny"}
+    with pytest.raises(TargetError, match="key 'controlnet': StableDiffusionXLPipeline takes no ControlNet"):
+        parse_target(raw, origin="t.toml", base_dir=TARGETS)
+
+
 @pytest.fixture(scope="module")
 def sdxl(tmp_path_factory):
     return loaded(tmp_path_factory, "cpu-tiny-sdxl-controlnet")
@@ -194,3 +216,81 @@ def test_sd15_controlnet_img2img_and_inpainting_through_from_pipe(sd15, pipeline
     cls = getattr(diffusers, pipeline)
     extras = _inpaint_extras(1, 64, 64) if "Inpaint" in pipeline else {"image": seeded_image(64, 64), "strength": 0.7}
     both(cls.from_pipe(compiled), cls.from_pipe(eager), control_image=seeded_image(64, 64), **extras)
+
+
+@pytest.mark.slow
+def test_load_pipeline_takes_the_controlnet_to_run(sdxl, tmp_path):
+    """load_pipeline(controlnet=...) as diffusers' from_pretrained takes it: one model, or a list."""
+    target, built, _, _ = sdxl
+    config = eager_pipeline(target).controlnet.config
+    other, second = _other_controlnet(config, 7), _other_controlnet(config, 8)
+    eager = eager_pipeline(target)
+    eager.controlnet = other
+    both(aotbuild.load_pipeline(built.folder, controlnet=copy.deepcopy(other)), eager, image=seeded_image(64, 64))
+    two = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(other), copy.deepcopy(second)])
+    reference = diffusers.StableDiffusionXLControlNetPipeline(**{**eager.components, "controlnet": [other, second]})
+    both(two, reference, image=[seeded_image(64, 64), seeded_image(64, 64)], controlnet_conditioning_scale=[0.5, 1.0])
+    with pytest.raises(aotbuild.AotbuildError, match=r"controlnet=\[\]: give a ControlNet model, or a list of them"):
+        aotbuild.load_pipeline(built.folder, controlnet=[])
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-flux-controlnet")
+
+
+def run_flux(pipe, **call):
+    call = {"num_inference_steps": 2, "output_type": "np", "height": 64, "width": 64, **call}
+    return pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [
+    {}, {"controlnet_conditioning_scale": 0.6}, {"control_guidance_start": 0.5}, {"guidance_scale": 7.0},
+    {"image_size": (48, 40)},
+], ids=["default", "scale", "window", "guidance", "resized"])
+def test_flux_controlnet_calls_match_eager(flux, call):
+    """Flux's ControlNet takes the control image's latents (the compiled VAE encoder makes them)."""
+    _, _, compiled, eager = flux
+    image = seeded_image(*call.pop("image_size", (64, 64)))
+    same_as_eager(run_flux, compiled, eager, ATOL, control_image=image, **call)
+    assert (compiled.controlnet.last_variant, compiled.transformer.last_variant) == ("b1_64x64", "b1_64x64")
+    assert isinstance(compiled.controlnet, diffusers.FluxControlNetModel)
+    without = run_flux(compiled, control_image=image, controlnet_conditioning_scale=0.0)
+    assert np.abs(run_flux(compiled, control_image=image) - without).max() > 0.05
+
+
+@pytest.mark.slow
+def test_flux_without_its_controlnet_runs_the_same_transformer(flux):
+    _, _, compiled, eager = flux
+    same_as_eager(run_flux, *(diffusers.FluxPipeline.from_pipe(p) for p in (compiled, eager)), ATOL)
+    assert compiled.transformer.last_variant == "b1_64x64"
+
+
+@pytest.mark.slow
+def test_run_bench_and_serve_take_the_control_image(sd15):
+    """generate (what `run`, `bench` and `serve` call): the control image resized to the call's size,
+    == the pipeline called with it; --image with it is the ControlNet img2img sibling; a missing or
+    misplaced control image, and `serve` (no control images yet), are refused in those terms."""
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+    from aotbuild.generation.backends import generate
+
+    _, built, compiled, eager = sd15
+    control, start = seeded_image(40, 56), seeded_image(64, 64)
+    made = generate(compiled, PROMPT, steps=3, seed=0, height=64, width=64, control=control)
+    want = eager(PROMPT, image=control.resize((64, 64)), num_inference_steps=3, height=64, width=64, guidance_scale=5.0,
+                 generator=torch.Generator("cpu").manual_seed(0), output_type="np").images
+    np.testing.assert_allclose(np.asarray(made.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)
+    img2img = generate(compiled, PROMPT, steps=3, seed=0, height=64, width=64, control=control, image=start,
+                       strength=0.6)
+    assert img2img.images[0].size == (64, 64)
+    with pytest.raises(aotbuild.AotbuildError, match="StableDiffusionControlNetPipeline needs a control image"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64)
+    plain = diffusers.StableDiffusionPipeline.from_pipe(compiled)
+    with pytest.raises(aotbuild.AotbuildError, match="StableDiffusionPipeline takes no control image"):
+        generate(plain, PROMPT, steps=2, seed=0, height=64, width=64, control=control)
+    result = CliRunner().invoke(main, ["serve", "--artifact", str(built.folder)])
+    assert result.exit_code != 0 and "needs a control image in every call, and aotbuild serve takes none yet" in \
+        result.output

@@ -75,7 +75,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from ..generation.backends import generate, prepare
     from ..runtime.sources import random_init_seconds
-    from ..spec.pipelines import requires_image, seeded_image, seeded_images
+    from ..spec.pipelines import control_image_argument, requires_image, seeded_image, seeded_images
 
     def since_spawn() -> float:
         return time.time() - args.spawn_time - random_init_seconds()
@@ -115,10 +115,13 @@ def _worker(args: argparse.Namespace) -> None:
     image = seeded_images(bucket.images) if bucket.images else \
         seeded_image(bucket.height, bucket.width) if requires_image(type(pipe)) else None
 
+    # A ControlNet pipeline is steered by a seeded control image of the output's size.
+    control = seeded_image(bucket.height, bucket.width) if control_image_argument(type(pipe)) else None
+
     def call() -> Any:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
                         width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
-                        frames=bucket.frames, image=image, text=bucket.max_sequence_length)
+                        frames=bucket.frames, image=image, text=bucket.max_sequence_length, control=control)
 
     started = since_spawn()
     first = call()

@@ -180,8 +180,11 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
         folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),
                                         dtype=target.dtype)
     seed = target.seed if sources.is_random(target.source) else None
-    components = sources.load_components(folder, seed=seed, skip=set(), dtype=torch.float32,
-                                         half_files=target.dtype in sources.HALF_DTYPES)
+    half = target.dtype in sources.HALF_DTYPES
+    components = sources.load_components(folder, seed=seed, skip={"controlnet"} if target.controlnet else set(),
+                                         dtype=torch.float32, half_files=half)
+    if target.controlnet:  # a ControlNet of its own repo, beside a base checkpoint
+        components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
     pipe = sources.assemble_pipeline(spec, folder, components)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)

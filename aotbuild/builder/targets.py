@@ -29,6 +29,7 @@ DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
+    "controlnet",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
 # code between blocks running eager).
@@ -105,6 +106,9 @@ class Target:
     inductor: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
     compile_mode: str = "whole"  # COMPILE_MODES
+    # Where a ControlNet pipeline's ControlNet comes from, when not from `source` (a Hub model repo
+    # `org/name[@revision]` or a model folder): base checkpoints hold none.
+    controlnet: str | None = None
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -128,6 +132,8 @@ class Target:
             del data["compile_mode"]
         if self.cpu_baseline is None:  # likewise
             del data["cpu_baseline"]
+        if self.controlnet is None:  # likewise
+            del data["controlnet"]
         return data
 
     @classmethod
@@ -351,6 +357,13 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         raise TargetError(f"{origin}: key 'cuda_graphs' is only allowed with device = \"cuda\"")
 
     compile_mode = _parse_compile(origin, raw.get("compile", {}), spec, components, optimize)
+    controlnet = raw.get("controlnet")
+    if controlnet is not None:
+        _expect(origin, "controlnet", controlnet, str, "a string: a Hub model repo (org/name[@revision]) or a folder")
+        if "controlnet" not in spec.components:
+            raise TargetError(f"{origin}: key 'controlnet': {spec.class_name} takes no ControlNet",
+                              hint="a ControlNet pipeline: StableDiffusionXLControlNetPipeline, "
+                                   "StableDiffusionControlNetPipeline, FluxControlNetPipeline, ...")
 
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=shapes,
@@ -360,7 +373,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
-        base_dir=base_dir,
+        controlnet=controlnet, base_dir=base_dir,
     )
 
 

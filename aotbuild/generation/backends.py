@@ -22,6 +22,7 @@ from ..spec.pipelines import (
     SIZED_BY_IMAGE,
     TEXT,
     UNGUIDED,
+    control_image_argument,
     edits_image,
     exact_size,
     frames_around,
@@ -226,13 +227,15 @@ class Generation:
 def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list[int], height: int | None = None,
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
-             frames: int | None = None, text: int | None = None, mask: Any = None) -> Generation:
+             frames: int | None = None, text: int | None = None, mask: Any = None,
+             control: Any = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
     cold start shows) and the total. With `image` (a PIL image; a list of those, edited together
     by an `EDITS_SEVERAL` pipeline), img2img: the pipeline's
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
     width; `strength` as diffusers takes it. With `mask` too (white repaints, black keeps), inpainting:
-    the pipeline's inpainting sibling. `text`: the call's max_sequence_length (None: its default).
+    the pipeline's inpainting sibling. `control`: a ControlNet pipeline's control image (resized to
+    height x width, as the pipeline would). `text`: the call's max_sequence_length (None: its default).
     Several requests in one call: a list of prompts and a seed each, one image each (`batch` 1);
     each image's noise is drawn from its own seed, as when its prompt is made alone."""
     if isinstance(prompt, list) != isinstance(seed, list) or isinstance(seed, list) and (
@@ -258,7 +261,8 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
         # The sibling taking what the call brings (FLUX.2 edits with its own call; an inpainting
         # checkpoint's pipeline takes the mask itself).
         needed = "mask_image" if mask is not None else "image"
-        if needed not in inspect.signature(type(pipe).__call__).parameters:
+        takes_control = control_image_argument(type(pipe)) == "image"  # SDXL's ControlNet: its `image` is the control
+        if needed not in inspect.signature(type(pipe).__call__).parameters or takes_control:
             from ..runtime.load import quiet_libraries
 
             with quiet_libraries():
@@ -285,6 +289,14 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
     if frames is not None and (around := frames_around(frames, step)):
         raise AotbuildError(f"{type(pipe).__name__} makes 1 + a multiple of {step} frames (its VAE's temporal "
                             f"compression), not {frames}", hint=f"ask for {around[0]} or {around[1]} frames")
+    control_argument = control_image_argument(type(pipe))
+    if control is not None and control_argument is None:
+        raise AotbuildError(f"{type(pipe).__name__} takes no control image: it has no ControlNet")
+    if control is None and control_argument is not None:
+        raise AotbuildError(f"{type(pipe).__name__} needs a control image (the ControlNet's condition: edges, depth, "
+                            f"pose...): give one (--control-image)")
+    if control is not None:
+        call[control_argument] = control.resize((width, height)) if height and width else control
     if image is None and requires_image(type(pipe)):
         made = "a video from it" if frames_step(pipe) > 1 else "an edit of it"
         raise AotbuildError(f"{type(pipe).__name__} needs an image: give one (--image), it makes {made}")

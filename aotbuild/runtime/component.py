@@ -90,9 +90,10 @@ class CompiledComponent(StandIn):
         # The inputs standing for zeros that the compiled code takes (`zero_when_absent`): their shapes, as
         # traced, and the sample's, whose batch and size they follow.
         traced_shapes = {leaf["path"]: leaf.get("shape") for leaf in variants[0].inputs}
-        self._zeros = {path: shape for path, shape in traced_shapes.items()
-                       if path.split(".")[0] in self._spec.zero_when_absent and shape is not None}
         self._zeros_of = variants[0].inputs[0].get("shape")
+        self._zeros = {path: shape for path, shape in traced_shapes.items()
+                       if path.split(".")[0] in self._spec.zero_when_absent and shape is not None
+                       and self._zeros_of is not None and len(shape) == len(self._zeros_of)}
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
 
@@ -422,11 +423,14 @@ class CompiledComponent(StandIn):
                                                        for name in self._spec.zero_when_absent):
             return kwargs
         traced = self._zeros_of
+        if len(traced) != sample.dim():
+            return kwargs
         filled: dict[str, Any] = {}
         for path, shape in self._zeros.items():
-            zeros = sample.new_zeros(sample.shape[0], shape[1],
-                                     *(size * now // then for size, now, then in zip(shape[2:], sample.shape[2:],
-                                                                                      traced[2:], strict=True)))
+            # Each dim as traced, scaled as the sample's scaled: a UNet's residuals follow its latents' size
+            # (its channels stay), Flux's ControlNet samples its image tokens (their width stays).
+            zeros = sample.new_zeros(sample.shape[0], *(size * now // then for size, now, then in zip(
+                shape[1:], sample.shape[1:], traced[1:], strict=True)))
             head, _, index = path.partition(".")
             if index:
                 filled.setdefault(head, []).append(zeros)

@@ -32,7 +32,7 @@ from ..spec.manifest import (
     sha256_file,
     validated_with_tf32,
 )
-from ..spec.pipelines import PipelineSpec, pipeline_spec, runtime_config_keys
+from ..spec.pipelines import MULTI_CONTROLNETS, PipelineSpec, pipeline_spec, runtime_config_keys
 from ..spec.private_apis import accept_compiled_class
 from .artifacts import artifact_folder
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
@@ -176,8 +176,6 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         IncompatibleArtifactError (also: a `weights` module of another architecture),
         CorruptArtifactError.
     """
-    from diffusers import MultiControlNetModel
-
     folder = Path(folder)
     manifest = read_manifest(folder)
     device = torch.device(device or manifest["environment"]["device_type"])
@@ -200,8 +198,8 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         for name, entry in manifest["components"].items():
             source = (weights or {}).get(name)
             eager_module = (eager or {}).get(name)
-            if isinstance(source, MultiControlNetModel):  # several ControlNets: one compiled model each
-                modules[entry["attribute"]] = compiled_multi_controlnet()([
+            if type(source).__name__ in MULTI_CONTROLNETS.values():  # several ControlNets: one compiled model each
+                modules[entry["attribute"]] = compiled_multi_controlnet(type(source))([
                     _load_component(folder, files, manifest, name, net, context, eager_module and eager_module.nets[i])
                     for i, net in enumerate(source.nets)])
                 continue
@@ -218,13 +216,12 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
 
 
 @functools.cache
-def compiled_multi_controlnet() -> type:
-    """diffusers' MultiControlNetModel over compiled ControlNets: its dtype and device are its first
-    net's (diffusers reads them from parameters, which stand-ins keep no module of); `from_pipe`
-    keeps it."""
-    from diffusers import MultiControlNetModel
+def compiled_multi_controlnet(multi: type) -> type:
+    """diffusers' model of several ControlNets (`MULTI_CONTROLNETS`) over compiled ones: its dtype
+    and device are its first net's (diffusers reads them from parameters, which stand-ins keep no
+    module of); `from_pipe` keeps it."""
 
-    class CompiledMultiControlNet(MultiControlNetModel):
+    class CompiledMultiControlNet(multi):
         @property
         def dtype(self) -> torch.dtype:
             return self.nets[0].dtype
@@ -388,7 +385,7 @@ def _check_lora_fused(attribute: str, module: torch.nn.Module) -> None:
 def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
                   cuda_graphs: bool | None = None, source: str | os.PathLike | None = None,
                   weights: str | os.PathLike | None = None, trust_remote_code: bool = False,
-                  variant: str | None = None) -> Any:
+                  variant: str | None = None, controlnet: Any = None) -> Any:
     """Build the artifact's pipeline with its compiled components plugged in.
 
     Args:
@@ -407,6 +404,11 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
             in this process); local folders are trusted.
         variant: in a Hub repo holding several targets that fit this machine, which one (a target
             name, or a `target/variant` path).
+        controlnet: for a ControlNet artifact, the ControlNet(s) to run, as diffusers'
+            `from_pretrained(..., controlnet=...)` takes them: a model of the artifact's
+            architecture (`ControlNetModel.from_pretrained(...)`), or a list of such models (each
+            compiled with its own weights, in a `MultiControlNetModel`); its weights are bound,
+            nothing is compiled.
 
     Without `weights`, the original weights of compiled components are never loaded (nor
     downloaded); the other components come from the source (the Hub at the pinned revision, a
@@ -432,16 +434,35 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
         checkpoint = load_source_components(weights_folder, seed=None, skip=set(component_classes(weights_folder))
                                             - compiled, dtype=DTYPES[target["dtype"]])
         source = weights if source is None else source
-    manifest, modules = load_components(
-        folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-        weights={name: checkpoint[entry["attribute"]] for name, entry in manifest["components"].items()}
-        if checkpoint is not None else None)
-    del checkpoint  # what was not bound by pointer goes now
+    given = {name: checkpoint[entry["attribute"]] for name, entry in manifest["components"].items()} \
+        if checkpoint is not None else {}
+    if controlnet is not None:
+        given["controlnet"] = _controlnet_weights(manifest, controlnet)
+    manifest, modules = load_components(folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                        weights=given or None)
+    del checkpoint, given  # what was not bound by pointer goes now
     source_folder, seed = _source_folder(manifest, folder, source, skip=set(modules))
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
     set_pipeline_default_size(pipe, manifest)
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
+
+
+def _controlnet_weights(manifest: dict[str, Any], controlnet: Any) -> torch.nn.Module:
+    """`load_pipeline`'s `controlnet`: the module whose weights the compiled ControlNet binds (a
+    list: a MultiControlNetModel of them)."""
+    import diffusers
+
+    if "controlnet" not in manifest["components"]:
+        raise AotbuildError(f"controlnet=: this artifact ({manifest['target']['pipeline']}) compiles no ControlNet",
+                            hint="build a target of a ControlNet pipeline with controlnet = {} in [components]")
+    models = list(controlnet) if isinstance(controlnet, (list, tuple)) else [controlnet]
+    if not models or not all(isinstance(m, torch.nn.Module) and hasattr(m, "config") for m in models):
+        raise AotbuildError(f"controlnet={controlnet!r}: give a ControlNet model, or a list of them, as diffusers "
+                            f"takes them", hint="controlnet=ControlNetModel.from_pretrained(repo_or_folder)")
+    if not isinstance(controlnet, (list, tuple)):
+        return models[0]
+    return getattr(diffusers, MULTI_CONTROLNETS[manifest["components"]["controlnet"]["config"]["_class_name"]])(models)
 
 
 def check_checkpoint(manifest: dict[str, Any], folder: Path, named: str | None = None,

@@ -334,6 +334,44 @@ def resolve_folder(source: str, revision: str | None, base_dir: Path, skip: set[
     return folder
 
 
+def load_model(source: str, base_dir: Path, dtype: Any, half_files: bool = False) -> Any:
+    """One diffusers model from its own folder or Hub model repo (`org/name[@revision]`): a config.json
+    and its safetensors, the fp16 variant files for a half-precision target where it has them (a
+    target's `controlnet`). Its class is its config's `_class_name`."""
+    import diffusers
+
+    path = Path(source).expanduser()
+    path = base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
+    if not (path / "config.json").is_file():
+        if path.exists():
+            raise SourceError(f"model source {source!r} is a path but holds no config.json")
+        path = _hub_model_folder(source, half_files)
+    class_name = json.loads((path / "config.json").read_text()).get("_class_name", "")
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
+        raise SourceError(f"model source {source!r}: its config names {class_name!r}, not a diffusers model class")
+    chosen = _weights_files([f"./{p.name}" for p in path.glob("*.safetensors")], ".", half_files)
+    fp16 = bool(chosen) and FP16_FILE.search(chosen[0]) is not None
+    return cls.from_pretrained(path, torch_dtype=dtype, variant="fp16" if fp16 else None)
+
+
+def _hub_model_folder(source: str, half_files: bool) -> Path:
+    """A Hub model repo's config and the safetensors files `load_model` reads."""
+    from huggingface_hub import constants, snapshot_download
+
+    from .hub import hub_api, hub_endpoint, parse_repo
+
+    repo_id, revision = parse_repo(source)
+    try:
+        patterns = ["config.json"]
+        if not constants.HF_HUB_OFFLINE:
+            files = [f"./{f}" for f in hub_api().list_repo_files(repo_id, revision=revision) if "/" not in f]
+            patterns += [f[2:] for f in _weights_files(files, ".", half_files)]
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, endpoint=hub_endpoint()))
+    except Exception as exc:  # huggingface_hub raises many types; all mean the same to the user
+        raise SourceError(f"cannot fetch the model {repo_id}@{revision or 'main'} from the Hub: {exc}") from None
+
+
 def assemble_pipeline(spec: PipelineSpec, folder: Path, components: dict[str, Any]) -> Any:
     """The pipeline object from its components, with model_index.json's absent components (null)
     as None and its plain options (e.g. requires_safety_checker) passed when the class takes them."""

@@ -230,6 +230,7 @@ TRANSFORMER = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
     denoiser=True,
+    zero_when_absent=("controlnet_block_samples", "controlnet_single_block_samples"),  # Flux's ControlNet's
 )
 
 
@@ -241,6 +242,20 @@ def _unscaled_residuals(args: tuple, kwargs: dict) -> CallInputs:
     return tuple(args), {**kwargs, "conditioning_scale": 1.0, "guess_mode": False, "return_dict": False}
 
 
+def _unscaled_samples(args: tuple, kwargs: dict) -> CallInputs:
+    """Flux's ControlNet at conditioning_scale 1 (it has no guess mode): `_unscaled_residuals`."""
+    return tuple(args), {**kwargs, "conditioning_scale": 1.0, "return_dict": False}
+
+
+def _scaled_samples(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
+    """FluxControlNetModel.forward's scaling, on samples made at scale 1: each list scaled, an
+    empty one None (the compiled model returns None for it already)."""
+    scale = kwargs.get("conditioning_scale", 1.0)
+    if scale == 1.0:  # x * 1 is x
+        return tuple(None if samples is None else list(samples) for samples in outputs)
+    return tuple(None if samples is None else [sample * scale for sample in samples] for samples in outputs)
+
+
 def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
     """ControlNetModel.forward's scaling (its step 6), on residuals made at scale 1: the same
     operations on the same values, so the result is eager's bit for bit. (A model with
@@ -249,6 +264,8 @@ def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str,
 
     scale, guess_mode = kwargs.get("conditioning_scale", 1.0), kwargs.get("guess_mode", False)
     down, mid = outputs
+    if scale == 1.0 and not guess_mode:  # x * 1 is x: the copies eager makes change no value
+        return list(down), mid
     if guess_mode and not config.get("global_pool_conditions"):
         scales = torch.logspace(-1, 0, len(down) + 1, device=mid.device) * scale  # 0.1 to 1.0
         return [sample * s for sample, s in zip(down, scales, strict=False)], mid * scales[-1]
@@ -267,6 +284,20 @@ CONTROLNET = ComponentSpec(
     finish=_scaled_residuals,
     class_checked=True,
 )
+
+FLUX_CONTROLNET = dataclasses.replace(
+    CONTROLNET,
+    call_inputs=_unscaled_samples,
+    output_class="diffusers.models.controlnets.controlnet_flux.FluxControlNetOutput",
+    output_fields=("controlnet_block_samples", "controlnet_single_block_samples"),
+    finish=_scaled_samples,
+    # None for InstantX's ControlNets (the pipeline then feeds it the control image's latents);
+    # XLabs' have a module there, which no stand-in keeps.
+    read_attributes=("input_hint_block",),
+)
+
+# The model diffusers holds several ControlNets of a class in (a pipeline given a list of them).
+MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "FluxControlNetModel": "FluxMultiControlNetModel"}
 
 # The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
 # reads them. Every other key (block_out_channels, norm_num_groups, act_fn, ...) shapes the compiled
@@ -433,6 +464,27 @@ for _base, _family in (("StableDiffusionXLPipeline", "StableDiffusionXLControlNe
             PIPELINES[_base], class_name=_class, capture_extras=_extras,
             components={**PIPELINES[_base].components, "controlnet": CONTROLNET})
 
+def _flux_control_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    return {"control_image": seeded_image(height, width)}
+
+
+def _flux_control_img2img_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    return {"control_image": seeded_image(height, width), "image": seeded_image(height, width), "strength": 1.0}
+
+
+def _flux_control_inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    return {**_inpaint_extras(batch, height, width), "control_image": seeded_image(height, width)}
+
+
+# Flux's ControlNet pipelines: the ControlNet takes the control image's latents (the VAE encodes it:
+# `vae_encoder`), and the transformer its samples.
+for _suffix, _extras in (("", _flux_control_extras), ("Img2Img", _flux_control_img2img_extras),
+                         ("Inpaint", _flux_control_inpaint_extras)):
+    _class = f"FluxControlNet{_suffix}Pipeline"
+    PIPELINES[_class] = dataclasses.replace(
+        PIPELINES["FluxPipeline"], class_name=_class, capture_extras=_extras,
+        components={**PIPELINES["FluxPipeline"].components, "controlnet": FLUX_CONTROLNET})
+
 # Flux Kontext: FluxPipeline's components and text encoders; an edited image's latents are packed
 # into tokens after the generated ones (so a bucket names the image's size too), and its VAE
 # encoder encodes that image.
@@ -546,11 +598,22 @@ def requires_image(cls: type) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
+def control_image_argument(cls: type) -> str | None:
+    """The argument through which a ControlNet pipeline's call takes its control image: `image` in
+    SDXL's and SD 1.5's text-to-image ones, `control_image` in the others; None: a pipeline with no
+    ControlNet."""
+    parameters = inspect.signature(cls.__call__).parameters
+    if "controlnet" not in inspect.signature(cls.__init__).parameters:
+        return None
+    return "control_image" if "control_image" in parameters else "image"
+
+
 def edits_image(cls: type) -> bool:
     """Whether a pipeline's call edits the image it takes (Flux Kontext, FLUX.2, Qwen-Image-Edit,
-    Wan's image-to-video) rather than starting img2img from it: an image and no `strength`."""
+    Wan's image-to-video) rather than starting img2img from it: an image and no `strength` (and
+    not a ControlNet's control image)."""
     parameters = inspect.signature(cls.__call__).parameters
-    return "image" in parameters and "strength" not in parameters
+    return "image" in parameters and "strength" not in parameters and control_image_argument(cls) != "image"
 
 
 def _image_extras(batch: int, height: int, width: int) -> dict[str, Any]:
