@@ -17,7 +17,7 @@ import torch
 
 import aotbuild
 from aotbuild.builder.targets import load_target
-from aotbuild.errors import ShapeNotSupportedError, WeightsMismatchError
+from aotbuild.errors import ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from aotbuild.runtime.component import CompiledComponent
 from aotbuild.spec.pipelines import PIPELINES, _inpaint_extras, seeded_image
 
@@ -84,6 +84,10 @@ def test_a_targets_controlnet_comes_from_its_own_source(tmp_path):
     assert dataclasses.replace(target, controlnet="org/canny").content_hash() != target.content_hash()
     raw = {**read_target_file(TARGETS / "cpu-tiny-sdxl.toml"), "controlnet": "org/canny"}
     with pytest.raises(TargetError, match="key 'controlnet': StableDiffusionXLPipeline takes no ControlNet"):
+        parse_target(raw, origin="t.toml", base_dir=TARGETS)
+    raw = read_target_file(TARGETS / "cpu-tiny-sdxl-controlnet.toml")
+    raw = {**raw, "controlnet": "org/canny", "components": {"unet": {}}}
+    with pytest.raises(TargetError, match="key 'controlnet' names a ControlNet that \\[components\\] does not compile"):
         parse_target(raw, origin="t.toml", base_dir=TARGETS)
 
 
@@ -232,6 +236,28 @@ def test_load_pipeline_takes_the_controlnet_to_run(sdxl, tmp_path):
     both(two, reference, image=[seeded_image(64, 64), seeded_image(64, 64)], controlnet_conditioning_scale=[0.5, 1.0])
     with pytest.raises(aotbuild.AotbuildError, match=r"controlnet=\[\]: give a ControlNet model, or a list of them"):
         aotbuild.load_pipeline(built.folder, controlnet=[])
+    # The compiled ControlNets alone in an eager pipeline: .to() asks each of them first, nothing is converted.
+    mixed = diffusers.StableDiffusionXLControlNetPipeline(**{**eager_pipeline(target).components,
+                                                            "controlnet": two.controlnet})
+    with pytest.raises(UnsupportedCallError, match="controlnet is compiled by aotbuild for float32"):
+        mixed.to(torch.bfloat16)
+    assert mixed.text_encoder.dtype == mixed.unet.dtype == torch.float32
+    with pytest.raises(UnsupportedCallError, match="save_pretrained\\(\\): controlnet is compiled"):
+        mixed.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    with pytest.raises(aotbuild.AotbuildError, match="the pipeline holds 2 ControlNets and weights='artifact'"):
+        aotbuild.apply(diffusers.StableDiffusionXLControlNetPipeline(**{**eager_pipeline(target).components,
+                                                                       "controlnet": [other, second]}),
+                       built.folder, weights="artifact")
+    # A fine-tuned base checkpoint (no ControlNet in it) with a ControlNet of the user's.
+    base = eager_pipeline(target, seed=3).components
+    finetune = diffusers.StableDiffusionXLPipeline(**{k: v for k, v in base.items() if k != "controlnet"})
+    finetune.save_pretrained(tmp_path / "finetune")
+    assert not (tmp_path / "finetune" / "controlnet").exists()
+    reference = eager_pipeline(target, seed=3)
+    reference.controlnet = other
+    both(aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune", controlnet=copy.deepcopy(other)),
+         reference, image=seeded_image(64, 64))
 
 
 @pytest.fixture(scope="module")
@@ -262,9 +288,12 @@ def test_flux_controlnet_calls_match_eager(flux, call):
 
 @pytest.mark.slow
 def test_flux_without_its_controlnet_runs_the_same_transformer(flux):
-    _, _, compiled, eager = flux
+    _, built, compiled, eager = flux
     same_as_eager(run_flux, *(diffusers.FluxPipeline.from_pipe(p) for p in (compiled, eager)), ATOL)
     assert compiled.transformer.last_variant == "b1_64x64"
+    with pytest.raises(aotbuild.AotbuildError, match=r"controlnet=\[...\]: several FluxControlNetModels at once are "
+                                                     r"not compiled by aotbuild yet"):
+        aotbuild.load_pipeline(built.folder, controlnet=[eager.controlnet, eager.controlnet])
 
 
 @pytest.mark.slow

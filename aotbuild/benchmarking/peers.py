@@ -164,6 +164,6 @@ def reference_call(target: Any, spec: Any) -> tuple[Any, Any, Any]:
     else:
         call = capture.random_call(pipe, spec, bucket.batch, bucket.height, bucket.width, torch.device("cpu"))
     module = spec.export_module(getattr(pipe, spec.attribute)).eval()
-    if spec.denoiser:
+    if spec.per_step:  # as the build: a denoiser (and a ControlNet) takes float timesteps
         call = capture.float_timestep(call, module)
     return pipe, module, call

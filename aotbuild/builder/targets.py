@@ -364,6 +364,9 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key 'controlnet': {spec.class_name} takes no ControlNet",
                               hint="a ControlNet pipeline: StableDiffusionXLControlNetPipeline, "
                                    "StableDiffusionControlNetPipeline, FluxControlNetPipeline, ...")
+        if "controlnet" not in components:  # the artifact holds it, or a load would find none
+            raise TargetError(f"{origin}: key 'controlnet' names a ControlNet that [components] does not compile",
+                              hint="add controlnet = {} to [components]")
 
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=shapes,

@@ -91,6 +91,7 @@ class CompiledComponent(StandIn):
         # traced, and the sample's, whose batch and size they follow.
         traced_shapes = {leaf["path"]: leaf.get("shape") for leaf in variants[0].inputs}
         self._zeros_of = variants[0].inputs[0].get("shape")
+        self._zeros_sample = variants[0].inputs[0]["path"]
         self._zeros = {path: shape for path, shape in traced_shapes.items()
                        if path.split(".")[0] in self._spec.zero_when_absent and shape is not None
                        and self._zeros_of is not None and len(shape) == len(self._zeros_of)}
@@ -418,7 +419,8 @@ class CompiledComponent(StandIn):
         a ControlNet's residuals, called with no ControlNet): shaped as traced, at the sample's batch
         and size (the first input), in its dtype, on its device; a list where the traced call had
         several (diffusers' ControlNet pipelines pass a list)."""
-        sample = args[0] if args else next(iter(kwargs.values()))
+        first = self._zeros_sample  # the traced call's first input: `args[0]`, or its name
+        sample = (args[0] if args else None) if first == "args[0]" else kwargs.get(first)
         if not isinstance(sample, torch.Tensor) or all(kwargs.get(name) is not None
                                                        for name in self._spec.zero_when_absent):
             return kwargs

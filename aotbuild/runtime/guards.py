@@ -172,6 +172,14 @@ def _to_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return device, dtype
 
 
+def _stand_ins(module: Any) -> list[StandIn]:
+    """The compiled stand-ins a pipeline component is or holds (a model of several ControlNets
+    holds one per ControlNet, in `nets`)."""
+    if isinstance(module, StandIn):
+        return [module]
+    return [net for net in getattr(module, "nets", ()) if isinstance(net, StandIn)]
+
+
 def install_pipeline_guards() -> None:
     """Once per process, on diffusers' DiffusionPipeline:
     - `to()` first asks every compiled component whether it can follow (a refusal leaves every
@@ -191,12 +199,12 @@ def install_pipeline_guards() -> None:
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         device, dtype = _to_arguments(args, kwargs)
         for module in self.components.values():
-            if isinstance(module, StandIn):
-                module.to(device=device, dtype=dtype)  # raises, or changes nothing
+            for stand_in in _stand_ins(module):
+                stand_in.to(device=device, dtype=dtype)  # raises, or changes nothing
         return original_to(self, *args, **kwargs)
 
     def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
-        compiled = [name for name, module in self.components.items() if isinstance(module, StandIn)]
+        compiled = [name for name, module in self.components.items() if _stand_ins(module)]
         if compiled:
             what, instead = REFUSED_METHODS["save_pretrained"]
             verb = "is" if len(compiled) == 1 else "are"

@@ -198,7 +198,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         for name, entry in manifest["components"].items():
             source = (weights or {}).get(name)
             eager_module = (eager or {}).get(name)
-            if type(source).__name__ in MULTI_CONTROLNETS.values():  # several ControlNets: one compiled model each
+            if _several_controlnets(source):  # one compiled model each
                 modules[entry["attribute"]] = compiled_multi_controlnet(type(source))([
                     _load_component(folder, files, manifest, name, net, context, eager_module and eager_module.nets[i])
                     for i, net in enumerate(source.nets)])
@@ -213,6 +213,19 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         modules[attribute] = autoencoder_class(config.get("_class_name", "AutoencoderKL"))(config, found)
     serve_default_size(manifest, modules)
     return manifest, modules
+
+
+def _several_controlnets(module: Any) -> bool:
+    """Whether a module is diffusers' model of several ControlNets that aotbuild compiles each of
+    (`MULTI_CONTROLNETS`); Flux's, whose ControlNets each take a mode, is refused."""
+    if module is None or not hasattr(module, "nets"):
+        return False
+    import diffusers
+
+    if not isinstance(module, tuple(getattr(diffusers, name) for name in MULTI_CONTROLNETS.values())):
+        raise AotbuildError(f"{type(module).__name__}: several ControlNets of this kind are not compiled by aotbuild "
+                            f"yet (each takes a mode)", hint="run one ControlNet per call")
+    return True
 
 
 @functools.cache
@@ -317,6 +330,10 @@ def apply(pipe: Any, artifact: str | os.PathLike, *, weights: str = "pipeline", 
     for name, module in originals.items():
         if isinstance(module, (CompiledComponent, CompiledAutoencoderBase)):
             raise AotbuildError(f"the pipeline's {name} is compiled by aotbuild already")
+        if weights == "artifact" and _several_controlnets(module):
+            raise AotbuildError(f"the pipeline holds {len(module.nets)} ControlNets and weights='artifact' binds the "
+                                f"artifact's one", hint="apply with weights='pipeline' (the default): each of them "
+                                                        "runs compiled with its own weights")
         if weights == "pipeline":
             _check_lora_fused(manifest["components"][name]["attribute"], module)
     check_precision(manifest, {name: dtype_name(module.dtype) for name, module in originals.items()}, dtype,
@@ -426,18 +443,18 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     manifest = read_manifest(folder)
     target = manifest["target"]
     spec = pipeline_spec(target["pipeline"])
-    compiled = {entry["attribute"] for entry in manifest["components"].values()}
     checkpoint = None
+    given = {} if controlnet is None else {"controlnet": _controlnet_weights(manifest, controlnet)}
     if weights is not None:
+        # A base checkpoint holds no ControlNet: one given as `controlnet` is not looked for in it.
+        checked = {**manifest, "components": {n: e for n, e in manifest["components"].items() if n not in given}}
         weights_folder = _resolve_source(weights, manifest, skip=set())
-        check_checkpoint(manifest, weights_folder, os.fspath(weights), dtype)  # before any weights are read
+        check_checkpoint(checked, weights_folder, os.fspath(weights), dtype)  # before any weights are read
+        wanted = {entry["attribute"] for entry in checked["components"].values()}
         checkpoint = load_source_components(weights_folder, seed=None, skip=set(component_classes(weights_folder))
-                                            - compiled, dtype=DTYPES[target["dtype"]])
+                                            - wanted, dtype=DTYPES[target["dtype"]])
+        given |= {name: checkpoint[entry["attribute"]] for name, entry in checked["components"].items()}
         source = weights if source is None else source
-    given = {name: checkpoint[entry["attribute"]] for name, entry in manifest["components"].items()} \
-        if checkpoint is not None else {}
-    if controlnet is not None:
-        given["controlnet"] = _controlnet_weights(manifest, controlnet)
     manifest, modules = load_components(folder, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                         weights=given or None)
     del checkpoint, given  # what was not bound by pointer goes now
@@ -462,7 +479,11 @@ def _controlnet_weights(manifest: dict[str, Any], controlnet: Any) -> torch.nn.M
                             f"takes them", hint="controlnet=ControlNetModel.from_pretrained(repo_or_folder)")
     if not isinstance(controlnet, (list, tuple)):
         return models[0]
-    return getattr(diffusers, MULTI_CONTROLNETS[manifest["components"]["controlnet"]["config"]["_class_name"]])(models)
+    kind = manifest["components"]["controlnet"]["config"]["_class_name"]
+    if kind not in MULTI_CONTROLNETS:
+        raise AotbuildError(f"controlnet=[...]: several {kind}s at once are not compiled by aotbuild yet (each takes "
+                            f"a mode)", hint="give one ControlNet")
+    return getattr(diffusers, MULTI_CONTROLNETS[kind])(models)
 
 
 def check_checkpoint(manifest: dict[str, Any], folder: Path, named: str | None = None,

@@ -234,7 +234,6 @@ TRANSFORMER = ComponentSpec(
 )
 
 
-
 def _unscaled_residuals(args: tuple, kwargs: dict) -> CallInputs:
     """A ControlNet is compiled at conditioning_scale 1 and guess mode off: its residuals as the
     network makes them. The stand-in scales them as diffusers' forward does (`_scaled_residuals`),
@@ -297,7 +296,8 @@ FLUX_CONTROLNET = dataclasses.replace(
 )
 
 # The model diffusers holds several ControlNets of a class in (a pipeline given a list of them).
-MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "FluxControlNetModel": "FluxMultiControlNetModel"}
+# (Flux's, FluxMultiControlNetModel, passes each ControlNet a mode tensor: not compiled yet.)
+MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel"}
 
 # The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
 # reads them. Every other key (block_out_channels, norm_num_groups, act_fn, ...) shapes the compiled
@@ -468,18 +468,10 @@ def _flux_control_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     return {"control_image": seeded_image(height, width)}
 
 
-def _flux_control_img2img_extras(batch: int, height: int, width: int) -> dict[str, Any]:
-    return {"control_image": seeded_image(height, width), "image": seeded_image(height, width), "strength": 1.0}
-
-
-def _flux_control_inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
-    return {**_inpaint_extras(batch, height, width), "control_image": seeded_image(height, width)}
-
-
 # Flux's ControlNet pipelines: the ControlNet takes the control image's latents (the VAE encodes it:
-# `vae_encoder`), and the transformer its samples.
-for _suffix, _extras in (("", _flux_control_extras), ("Img2Img", _flux_control_img2img_extras),
-                         ("Inpaint", _flux_control_inpaint_extras)):
+# `vae_encoder`), and the transformer its samples. Their siblings take SD's siblings' arguments.
+for _suffix, _extras in (("", _flux_control_extras), ("Img2Img", _control_img2img_extras),
+                         ("Inpaint", _control_inpaint_extras)):
     _class = f"FluxControlNet{_suffix}Pipeline"
     PIPELINES[_class] = dataclasses.replace(
         PIPELINES["FluxPipeline"], class_name=_class, capture_extras=_extras,
