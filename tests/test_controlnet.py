@@ -9,6 +9,7 @@ ControlNets; another architecture and uncovered sizes are refused in the user's 
 from __future__ import annotations
 
 import copy
+import functools
 
 import diffusers
 import numpy as np
@@ -265,9 +266,7 @@ def flux(tmp_path_factory):
     return loaded(tmp_path_factory, "cpu-tiny-flux-controlnet")
 
 
-def run_flux(pipe, **call):
-    call = {"num_inference_steps": 2, "output_type": "np", "height": 64, "width": 64, **call}
-    return pipe(PROMPT, generator=torch.Generator("cpu").manual_seed(0), **call).images
+run_flux = functools.partial(run, num_inference_steps=2)
 
 
 @pytest.mark.slow

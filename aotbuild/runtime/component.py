@@ -73,7 +73,11 @@ class CompiledComponent(StandIn):
         self._unread = frozenset(entry.get("unread", ()))  # weights no compiled code binds (dead, or fused)
         self._device = context.device
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
+        self._model_class: type | None = None  # what `__class__` says, where the pipeline checks it
         if self._spec.class_checked:  # a ModelMixin to isinstance(): from_pipe keeps it only if its type is named
+            import diffusers
+
+            self._model_class = getattr(diffusers, self.config["_class_name"])
             accept_compiled_class(type(self))
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
         self._parameters_out: dict[str, torch.nn.Parameter] = {}  # handed out by named_parameters()
@@ -87,14 +91,13 @@ class CompiledComponent(StandIn):
         self._traced = (traced.child(0).num_children, {name: spec for name, spec in zip(
             traced.child(1).context, traced.child(1).children(), strict=True) if name != "return_dict"})
         self.last_variant: str | None = None
-        # The inputs standing for zeros that the compiled code takes (`zero_when_absent`): their shapes, as
-        # traced, and the sample's, whose batch and size they follow.
-        traced_shapes = {leaf["path"]: leaf.get("shape") for leaf in variants[0].inputs}
-        self._zeros_of = variants[0].inputs[0].get("shape")
-        self._zeros_sample = variants[0].inputs[0]["path"]
-        self._zeros = {path: shape for path, shape in traced_shapes.items()
-                       if path.split(".")[0] in self._spec.zero_when_absent and shape is not None
-                       and self._zeros_of is not None and len(shape) == len(self._zeros_of)}
+        # The inputs standing for zeros that the compiled code takes (`zero_when_absent`), by their traced
+        # shapes, and the traced sample (the first input), whose batch and size they follow.
+        self._zeros_sample = variants[0].inputs[0]
+        sample_shape = self._zeros_sample.get("shape")
+        self._zeros = {leaf["path"]: leaf["shape"] for leaf in variants[0].inputs
+                       if leaf["path"].split(".")[0] in self._spec.zero_when_absent and leaf.get("shape") is not None
+                       and sample_shape is not None and len(leaf["shape"]) == len(sample_shape)}
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
 
@@ -109,12 +112,7 @@ class CompiledComponent(StandIn):
         """The model's class where the pipeline checks it (`ComponentSpec.class_checked`: diffusers'
         ControlNet pipelines assert `isinstance(pipe.controlnet, ControlNetModel)`), else this
         class: `isinstance(stand_in, CompiledComponent)` holds either way (it reads the type)."""
-        spec = self.__dict__.get("_spec")
-        if spec is not None and spec.class_checked:
-            import diffusers
-
-            return getattr(diffusers, self.config["_class_name"])
-        return type(self)
+        return self.__dict__.get("_model_class") or type(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -419,12 +417,12 @@ class CompiledComponent(StandIn):
         a ControlNet's residuals, called with no ControlNet): shaped as traced, at the sample's batch
         and size (the first input), in its dtype, on its device; a list where the traced call had
         several (diffusers' ControlNet pipelines pass a list)."""
-        first = self._zeros_sample  # the traced call's first input: `args[0]`, or its name
+        first = self._zeros_sample["path"]  # the traced call's first input: `args[0]`, or its name
         sample = (args[0] if args else None) if first == "args[0]" else kwargs.get(first)
         if not isinstance(sample, torch.Tensor) or all(kwargs.get(name) is not None
                                                        for name in self._spec.zero_when_absent):
             return kwargs
-        traced = self._zeros_of
+        traced = self._zeros_sample["shape"]
         if len(traced) != sample.dim():
             return kwargs
         filled: dict[str, Any] = {}

@@ -464,6 +464,7 @@ for _base, _family in (("StableDiffusionXLPipeline", "StableDiffusionXLControlNe
             PIPELINES[_base], class_name=_class, capture_extras=_extras,
             components={**PIPELINES[_base].components, "controlnet": CONTROLNET})
 
+
 def _flux_control_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     return {"control_image": seeded_image(height, width)}
 
