@@ -199,6 +199,8 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
               help="inpainting: repaint --image where this mask is white, keep it where black (resized like --image)")
 @click.option("--control-image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a ControlNet pipeline's control image (edges, depth, pose...), resized to the height and width")
+@click.option("--ip-adapter-image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="the image prompt of an artifact built with an IP-Adapter (its target's ip_adapter)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
                                                              "(MP4); several get -0, -1 ...")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
@@ -219,13 +221,13 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
         batch: int | None, frames: int | None, images: tuple[Path, ...], strength: float | None,
-        mask: Path | None, control_image: Path | None, output: Path | None,
+        mask: Path | None, control_image: Path | None, ip_adapter_image: Path | None, output: Path | None,
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
         dtype: str | None, trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext); with --mask too, inpainting; a ControlNet pipeline steered by
-    --control-image."""
+    --control-image; an IP-Adapter's image prompt, --ip-adapter-image."""
     from .generation.media import check_video_writer, video_fps, write_video
 
     if target_name is not None and artifact is not None:
@@ -304,7 +306,9 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                    image=_read_images(images), strength=strength,
                    frames=frames or defaults["frames"], text=defaults["text"],
                    mask=_read_picture(mask, "--mask", "L") if mask is not None else None,
-                   control=_read_picture(control_image, "--control-image", "RGB") if control_image else None)
+                   control=_read_picture(control_image, "--control-image", "RGB") if control_image else None,
+                   image_prompt=_read_picture(ip_adapter_image, "--ip-adapter-image", "RGB") if ip_adapter_image
+                   else None)
     if output:
         for i, picture in enumerate(gen.images):
             path = output if len(gen.images) == 1 else output.with_name(f"{output.stem}-{i}{output.suffix}")
@@ -653,6 +657,11 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
             raise AotbuildError(f"{target['pipeline']} needs a control image in every call, and aotbuild serve takes "
                                 f"none yet", hint="aotbuild run --control-image makes its images; in Python, "
                                                   "aotbuild.load_pipeline(artifact) takes every ControlNet call")
+        if target.get("ip_adapter"):
+            raise AotbuildError(f"{target['name']} is built with an IP-Adapter, which takes an image prompt in every "
+                                f"call, and aotbuild serve takes none yet",
+                                hint="aotbuild run --ip-adapter-image makes its images; in Python, "
+                                     "aotbuild.load_pipeline(artifact) takes every IP-Adapter call")
         if requires_image(getattr(diffusers, target["pipeline"])):
             raise AotbuildError(f"{target['pipeline']} needs an image in every call, and aotbuild serve serves "
                                 f"text-to-image and text-to-video artifacts (with img2img and inpainting from "

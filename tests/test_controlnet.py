@@ -197,7 +197,10 @@ def test_a_size_not_compiled_is_refused_in_pixels(sdxl):
 
 @pytest.fixture(scope="module")
 def sd15(tmp_path_factory):
-    return loaded(tmp_path_factory, "cpu-tiny-sd15-controlnet")
+    """Its target builds an IP-Adapter in too (test_ip_adapter makes calls with both): these are without one."""
+    target, built, _, eager = loaded(tmp_path_factory, "cpu-tiny-sd15-controlnet")
+    eager.unload_ip_adapter()
+    return target, built, aotbuild.load_pipeline(built.folder, ip_adapter=False), eager
 
 
 @pytest.mark.slow

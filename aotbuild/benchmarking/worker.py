@@ -73,7 +73,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from ..generation.backends import generate, prepare
+    from ..generation.backends import generate, ip_adapter_loaded, prepare
     from ..runtime.sources import random_init_seconds
     from ..spec.pipelines import control_image_argument, requires_image, seeded_image, seeded_images
 
@@ -117,11 +117,14 @@ def _worker(args: argparse.Namespace) -> None:
 
     # A ControlNet pipeline is steered by a seeded control image of the output's size.
     control = seeded_image(bucket.height, bucket.width) if control_image_argument(type(pipe)) else None
+    # An IP-Adapter (the target's, loaded by every case) takes a seeded image prompt.
+    image_prompt = seeded_image(bucket.height, bucket.width) if ip_adapter_loaded(pipe) else None
 
     def call() -> Any:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
                         width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
-                        frames=bucket.frames, image=image, text=bucket.max_sequence_length, control=control)
+                        frames=bucket.frames, image=image, text=bucket.max_sequence_length, control=control,
+                        image_prompt=image_prompt)
 
     started = since_spawn()
     first = call()

@@ -17,7 +17,7 @@ import torch
 from ..errors import BuildError
 from ..runtime import sources
 from ..spec.manifest import DTYPES
-from ..spec.pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec
+from ..spec.pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec, seeded_image
 from ..spec.private_apis import pytree
 from . import capture, optimize, regions
 from .context import Progress
@@ -92,7 +92,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             shape = {"batch": point.batch, "height": point.height, "width": point.width,
                      "guidance_scale": target.guidance_scale if point.guided else UNGUIDED, "text": point.text,
                      "prompt_embeds": embeds.get((point.batch, point.guided, point.text)),
-                     "extras": spec.call_extras(point.batch, point.height, point.width, point.images),
+                     "extras": call_extras(spec, target, point),
                      "image": point.image, "frames": point.frames}
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
@@ -111,6 +111,15 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
     return calls, block_calls, seconds
+
+
+def call_extras(spec: PipelineSpec, target: Target, point: CapturePoint) -> dict[str, Any] | None:
+    """The arguments a capture's call takes besides the prompt and size (`PipelineSpec.call_extras`),
+    and the image prompt of a target built with an IP-Adapter."""
+    extras = spec.call_extras(point.batch, point.height, point.width, point.images)
+    if target.ip_adapter:
+        extras = {**(extras or {}), "ip_adapter_image": seeded_image(point.height, point.width)}
+    return extras
 
 
 LOOP_STEPS = 3  # a short loop: long enough for an error to grow over steps, short at any size
@@ -186,6 +195,8 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
     if target.controlnet:  # a ControlNet of its own repo, beside a base checkpoint
         components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
     pipe = sources.assemble_pipeline(spec, folder, components)
+    if target.ip_adapter:  # its UNet is compiled with the adapter's layers, and takes any of its form
+        sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

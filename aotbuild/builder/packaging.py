@@ -14,6 +14,7 @@ import torch
 from ..errors import BuildError
 from ..runtime import leaf_signature, open_model
 from ..runtime.checkpoint import module_tensors
+from ..runtime.ip_adapter import loaded_form
 from ..runtime.prepared import sources as prepared_sources
 from ..runtime.variant import leaf_name
 from ..runtime.weights import same_layout
@@ -304,6 +305,7 @@ def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, c
                    if k != "_name_or_path"},
         "attributes": {a: value for a in spec.read_attributes
                        if plain_attribute(value := _get_dotted(module, a, None))},
+        **({"ip_adapter": form} if (form := loaded_form(module)) is not None else {}),
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},
         "compile_s": round(compile_s, 1),  # AOTInductor, every variant: how the build's cost grows with the model

@@ -29,7 +29,7 @@ DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
-    "controlnet",
+    "controlnet", "ip_adapter",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
 # code between blocks running eager).
@@ -109,6 +109,9 @@ class Target:
     # Where a ControlNet pipeline's ControlNet comes from, when not from `source` (a Hub model repo
     # `org/name[@revision]` or a model folder): base checkpoints hold none.
     controlnet: str | None = None
+    # The IP-Adapter the UNet is built with (`sources.ip_adapter_arguments`, or "random": a seeded one
+    # of the plain form): the artifact then takes any adapter of its form as data (`runtime.ip_adapter`).
+    ip_adapter: str | None = None
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -132,8 +135,9 @@ class Target:
             del data["compile_mode"]
         if self.cpu_baseline is None:  # likewise
             del data["cpu_baseline"]
-        if self.controlnet is None:  # likewise
-            del data["controlnet"]
+        for key in ("controlnet", "ip_adapter"):  # likewise
+            if data[key] is None:
+                del data[key]
         return data
 
     @classmethod
@@ -368,6 +372,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
             raise TargetError(f"{origin}: key 'controlnet' names a ControlNet that [components] does not compile",
                               hint="add controlnet = {} to [components]")
 
+    ip_adapter = _parse_ip_adapter(origin, raw.get("ip_adapter"), spec, optimize, compile_mode)
+
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=shapes,
         components=tuple(components), description=str(raw.get("description", "")),
@@ -376,8 +382,33 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
-        controlnet=controlnet, base_dir=base_dir,
+        controlnet=controlnet, ip_adapter=ip_adapter, base_dir=base_dir,
     )
+
+
+# Passes that would drop or rewrite the IP-Adapter's layers: diffusers' fuse_qkv_projections sets
+# its own processors over the adapter's; a quantized or prepacked to_v_ip could not be scaled at load.
+IP_ADAPTER_PASSES = ("fuse_qkv", "quantize", "prepack")
+
+
+def _parse_ip_adapter(origin: str, value: Any, spec: Any, optimize: dict[str, Any],
+                      compile_mode: str) -> str | None:
+    """A target's `ip_adapter`: what its UNet is built with (see `Target.ip_adapter`)."""
+    if value is None:
+        return None
+    _expect(origin, "ip_adapter", value, str, "a string: a weights file in a Hub repo "
+            "(org/name/subfolder/weights.safetensors[@revision]) or on this machine")
+    import diffusers
+
+    if "unet" not in spec.components or not hasattr(getattr(diffusers, spec.class_name), "load_ip_adapter"):
+        raise TargetError(f"{origin}: key 'ip_adapter': {spec.class_name} is not a pipeline whose IP-Adapter aotbuild "
+                          f"compiles (those of SDXL's and SD 1.5's UNet pipelines; Flux's is not compiled yet)")
+    passes = [name for name in IP_ADAPTER_PASSES if optimize.get(name)]
+    if passes or compile_mode != "whole":
+        what = f"the {', '.join(passes)} pass" if passes else "regional compilation"
+        raise TargetError(f"{origin}: key 'ip_adapter': an IP-Adapter is not compiled with {what} yet (its scale is "
+                          f"bound as scaled weights, which those rewrite)", hint="drop one of them")
+    return value
 
 
 def _parse_gpu(origin: str, raw: dict[str, Any], device: str) -> GpuSpec | None:

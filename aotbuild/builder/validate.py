@@ -11,6 +11,7 @@ import torch
 from ..errors import BuildError, NumericsError
 from ..runtime import CompiledVariant, GraphPool, load_weights
 from ..runtime.regional import component_variants
+from ..runtime.sources import load_ip_adapter
 from ..runtime.variant import LoadContext
 from ..spec.manifest import sha256_file, validated_with_tf32, write_manifest
 from ..spec.pipelines import PipelineSpec
@@ -87,6 +88,8 @@ def validate_loop(out: Path, manifest: dict[str, Any], pipe: Any, spec: Pipeline
     _, modules = load_components(out, device=device)
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
+    if manifest["target"].get("ip_adapter"):  # as load_pipeline loads it
+        load_ip_adapter(pipe, manifest["target"]["ip_adapter"], Path("."), manifest["target"]["seed"])
     encodes = spec.prompt_embeds is None  # the pipeline encodes its prompt itself, as at capture
     others = [m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module) and name not in modules
               and (encodes or not name.startswith("text_encoder"))]

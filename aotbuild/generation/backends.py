@@ -224,18 +224,25 @@ class Generation:
     step_durations_s: list[float]  # each denoising step (the first includes prompt encoding)
 
 
+def ip_adapter_loaded(pipe: Any) -> bool:
+    """Whether an IP-Adapter is loaded into the pipeline's UNet (compiled or eager)."""
+    return hasattr(getattr(getattr(pipe, "unet", None), "encoder_hid_proj", None), "image_projection_layers")
+
+
 def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list[int], height: int | None = None,
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
              frames: int | None = None, text: int | None = None, mask: Any = None,
-             control: Any = None) -> Generation:
+             control: Any = None, image_prompt: Any = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
     cold start shows) and the total. With `image` (a PIL image; a list of those, edited together
     by an `EDITS_SEVERAL` pipeline), img2img: the pipeline's
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
     width; `strength` as diffusers takes it. With `mask` too (white repaints, black keeps), inpainting:
     the pipeline's inpainting sibling. `control`: a ControlNet pipeline's control image (resized to
-    height x width, as the pipeline would). `text`: the call's max_sequence_length (None: its default).
+    height x width, as the pipeline would). `image_prompt`: the image an IP-Adapter loaded into the
+    pipeline takes (`ip_adapter_image`), needed exactly when one is loaded. `text`: the call's
+    max_sequence_length (None: its default).
     Several requests in one call: a list of prompts and a seed each, one image each (`batch` 1);
     each image's noise is drawn from its own seed, as when its prompt is made alone."""
     if isinstance(prompt, list) != isinstance(seed, list) or isinstance(seed, list) and (
@@ -297,6 +304,14 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                             f"pose...): give one (--control-image)")
     if control is not None:
         call[control_argument] = control.resize((width, height)) if height and width else control
+    if image_prompt is None and ip_adapter_loaded(pipe):
+        raise AotbuildError(f"{type(pipe).__name__} has an IP-Adapter loaded, which takes an image prompt in every "
+                            f"call: give one (--ip-adapter-image)")
+    if image_prompt is not None and not ip_adapter_loaded(pipe):
+        raise AotbuildError(f"{type(pipe).__name__} takes no image prompt: it has no IP-Adapter loaded",
+                            hint="build the target with ip_adapter = ... (its artifact loads that adapter)")
+    if image_prompt is not None:
+        call["ip_adapter_image"] = image_prompt
     if image is None and requires_image(type(pipe)):
         made = "a video from it" if frames_step(pipe) > 1 else "an edit of it"
         raise AotbuildError(f"{type(pipe).__name__} needs an image: give one (--image), it makes {made}")

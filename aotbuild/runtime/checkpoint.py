@@ -63,12 +63,14 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
                          dtype: torch.dtype, recipe: str | None, device: torch.device,
-                         unread: Collection[str] = ()) -> dict[str, torch.Tensor]:
+                         unread: Collection[str] = (), optional: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The constants of `expected` (the artifact's, with the dtypes, shapes and strides its code
     reads; left unread on the host) made on `device` from another checkpoint's `tensors` (a
     module's, see `module_tensors`); `dtype` and `recipe` are the component's recorded dtype and
     quant recipe; `unread`, the tensors of the architecture no compiled code reads (the manifest's:
-    dead in the model, like Qwen-Image's last text stream), which any checkpoint of it has.
+    dead in the model, like Qwen-Image's last text stream), which any checkpoint of it has;
+    `optional`, constants a checkpoint may lack, which then keep the artifact's (an IP-Adapter's,
+    bound at each call from the adapter loaded, `runtime.ip_adapter`).
 
     Constants that are not weights (tensors export lifted from the code) keep the artifact's.
 
@@ -101,6 +103,8 @@ def checkpoint_constants(component: str, tensors: dict[str, torch.Tensor], expec
                                  torch.empty(data.shape, dtype=dtype, device="meta"), device)
                 quantized[layer] = quant_scheme(recipe, component).quantize(weight)
             got = quantized[layer][int(fqn[-1])]
+        elif fqn in optional and fqn not in tensors:
+            got = want
         elif fqn in tensors or fused_members(fqn) is not None or fqn.endswith((".weight", ".bias")):
             got = source(fqn)
         else:  # lifted by export from the code, not a weight

@@ -21,11 +21,12 @@ from ..errors import (
     WeightsMismatchError,
 )
 from ..spec.manifest import DTYPES
-from ..spec.pipelines import pipeline_spec
-from ..spec.private_apis import IncompatibleKeys, accept_compiled_class
+from ..spec.pipelines import SIZED, pipeline_spec
+from ..spec.private_apis import IncompatibleKeys, accept_compiled_class, ip_adapter_loras
 from . import step_cache
 from .checkpoint import QUANTIZED, module_tensors, placed_writes, placement, quant_scheme
 from .guards import StandIn, check_autocast
+from .ip_adapter import IpAdapterState
 from .lora import pop_scale
 from .refusals import COVER_HINT, unsupported_call
 from .variant import CompiledVariant, LoadContext
@@ -64,6 +65,9 @@ class CompiledComponent(StandIn):
         self._weights = weights  # the base weights, bound by pointer: must live as long as the models
         self._lock = context.lock
         self._lora = None  # lora.LoraState, made by the first LoRA call
+        form = entry.get("ip_adapter")  # the IP-Adapter form compiled in (None: none)
+        self._ip = IpAdapterState(name, form, entry["config"], DTYPES[entry["dtype"]], context.device, weights,
+                                  self._rebind) if form else None
         self._leaf_paths = {leaf["path"] for v in variants for leaf in v.inputs}
         self._dtype = DTYPES[entry["dtype"]]
         # A VAE compiled in float32 inside a half-precision artifact: diffusers upcasts it itself.
@@ -91,13 +95,16 @@ class CompiledComponent(StandIn):
         self._traced = (traced.child(0).num_children, {name: spec for name, spec in zip(
             traced.child(1).context, traced.child(1).children(), strict=True) if name != "return_dict"})
         self.last_variant: str | None = None
-        # The inputs standing for zeros that the compiled code takes (`zero_when_absent`), by their traced
-        # shapes, and the traced sample (the first input), whose batch and size they follow.
+        # The inputs the compiled code takes as zeros where a call leaves them out (`zero_when_absent`):
+        # each leaf's traced shape by its path, under the input it belongs to; and the traced sample
+        # (the first input), whose batch (and size) the zeros follow.
         self._zeros_sample = variants[0].inputs[0]
-        sample_shape = self._zeros_sample.get("shape")
-        self._zeros = {leaf["path"]: leaf["shape"] for leaf in variants[0].inputs
-                       if leaf["path"].split(".")[0] in self._spec.zero_when_absent and leaf.get("shape") is not None
-                       and sample_shape is not None and len(leaf["shape"]) == len(sample_shape)}
+        self._zeros: dict[str, dict[str, list[int]]] = {}
+        for leaf in variants[0].inputs:
+            name = next((n for n in self._spec.zero_when_absent if leaf["path"] == n
+                         or leaf["path"].startswith(f"{n}.")), None)
+            if name is not None and leaf.get("shape") is not None and self._zeros_sample.get("shape") is not None:
+                self._zeros.setdefault(name, {})[leaf["path"]] = leaf["shape"]
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
 
@@ -322,6 +329,67 @@ class CompiledComponent(StandIn):
             self.add_module("lora_shell", self._lora.shell)  # diffusers walks modules() for peft layers
         return self._lora
 
+    # -- IP-Adapters: diffusers' IPAdapterMixin on a UNet built with one (ip_adapter) -----------
+
+    def _ip_adapter(self, asked: str) -> IpAdapterState:
+        if self._ip is None:
+            raise MissingAttributeError(self.component_name, asked, message=(
+                f"{self.component_name}: this artifact takes no IP-Adapter: its target was built without one"),
+                hint="build the target with an IP-Adapter of the form you will load: ip_adapter = "
+                     "\"org/name/subfolder/weights.safetensors\"")
+        return self._ip
+
+    def _load_ip_adapter_weights(self, state_dicts: Any, low_cpu_mem_usage: bool = True) -> None:
+        """What `pipe.load_ip_adapter` asks of the UNet: the adapters, converted by diffusers and
+        bound as data from the next call (`ip_adapter.IpAdapterState.load`)."""
+        state = self._ip_adapter("load_ip_adapter")
+        with self._lock:
+            state.load(state_dicts if isinstance(state_dicts, list) else [state_dicts])
+
+    def _load_ip_adapter_loras(self, state_dicts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """The LoRAs an IP-Adapter FaceID carries (`load_ip_adapter` loads them as LoRAs)."""
+        return ip_adapter_loras(self._ip_adapter("load_ip_adapter").shell, state_dicts)
+
+    @property
+    def ip_adapter(self) -> IpAdapterState | None:
+        """The IP-Adapter state of a UNet built with one (None: built without)."""
+        return self._ip
+
+    @property
+    def attn_processors(self) -> dict[str, Any]:
+        """The UNet's attention processors, as diffusers' IP-Adapter API reads and sets them (their
+        scales); the compiled attention is the artifact's."""
+        return self._ip_adapter("attn_processors").shell.attn_processors
+
+    @property
+    def down_blocks(self) -> torch.nn.ModuleList:
+        """The UNet's blocks on the meta device, which `set_ip_adapter_scale` reads for a per-block scale."""
+        return self._ip_adapter("down_blocks").shell.down_blocks
+
+    @property
+    def up_blocks(self) -> torch.nn.ModuleList:
+        return self._ip_adapter("up_blocks").shell.up_blocks
+
+    def set_attn_processor(self, processor: Any) -> None:
+        """What `unload_ip_adapter` sets: the processors without the adapter."""
+        state = self._ip_adapter("set_attn_processor")
+        with self._lock:
+            state.shell.set_attn_processor(processor)
+
+    @property
+    def encoder_hid_proj(self) -> Any:
+        """The adapters' image projection layers (None: no adapter loaded), which the pipeline reads."""
+        return self._ip.shell.encoder_hid_proj if self._ip is not None and self._ip.loaded else None
+
+    @encoder_hid_proj.setter
+    def encoder_hid_proj(self, value: Any) -> None:
+        if value is not None:
+            raise UnsupportedCallError(f"{self.component_name}.encoder_hid_proj: the compiled UNet's image projection "
+                                       f"is the loaded IP-Adapter's", hint="load adapters with pipe.load_ip_adapter()")
+        if self._ip is not None:  # unload_ip_adapter()
+            with self._lock:
+                self._ip.unload()
+
     # -- step caches: diffusers' CacheMixin (step_cache) ----------------------------------------
 
     def _step_cache_model(self) -> torch.nn.Module | None:
@@ -374,6 +442,8 @@ class CompiledComponent(StandIn):
         if self._lora is not None:
             self._lora.sync(lora_scale)
         args, kwargs = self._as_traced(args, kwargs)
+        if self._ip is not None:
+            self._ip.sync(kwargs)
         if self._zeros:
             kwargs = self._zeros_given(args, kwargs)
         call_args, call_kwargs = self._spec.call_inputs(args, kwargs)
@@ -414,29 +484,35 @@ class CompiledComponent(StandIn):
 
     def _zeros_given(self, args: tuple, kwargs: dict) -> dict:
         """The call with zeros for each `zero_when_absent` input it leaves out (a UNet compiled with
-        a ControlNet's residuals, called with no ControlNet): shaped as traced, at the sample's batch
-        and size (the first input), in its dtype, on its device; a list where the traced call had
-        several (diffusers' ControlNet pipelines pass a list)."""
+        a ControlNet's residuals, called with no ControlNet; one compiled with an IP-Adapter, called
+        with no image): shaped as traced, at the sample's batch (and, `SIZED`, its size), in its
+        dtype, on its device; a list where the traced call had several (diffusers' ControlNet
+        pipelines pass a list). The caller's dicts are not changed (a pipeline reuses them)."""
         first = self._zeros_sample["path"]  # the traced call's first input: `args[0]`, or its name
         sample = (args[0] if args else None) if first == "args[0]" else kwargs.get(first)
-        if not isinstance(sample, torch.Tensor) or all(kwargs.get(name) is not None
-                                                       for name in self._spec.zero_when_absent):
+        if not isinstance(sample, torch.Tensor):
             return kwargs
         traced = self._zeros_sample["shape"]
-        if len(traced) != sample.dim():
-            return kwargs
-        filled: dict[str, Any] = {}
-        for path, shape in self._zeros.items():
-            # Each dim as traced, scaled as the sample's scaled: a UNet's residuals follow its latents' size
-            # (its channels stay), Flux's ControlNet samples its image tokens (their width stays).
-            zeros = sample.new_zeros(sample.shape[0], *(size * now // then for size, now, then in zip(
-                shape[1:], sample.shape[1:], traced[1:], strict=True)))
-            head, _, index = path.partition(".")
-            if index:
-                filled.setdefault(head, []).append(zeros)
-            else:
-                filled[head] = zeros
-        return {**kwargs, **{name: value for name, value in filled.items() if kwargs.get(name) is None}}
+        for name, leaves in self._zeros.items():
+            head, _, key = name.partition(".")  # an input, or a key of a dict input (added_cond_kwargs)
+            holder = kwargs.get(head) if key else kwargs
+            if (holder or {}).get(key or head) is not None:
+                continue
+            values = []
+            for path, shape in leaves.items():
+                if self._spec.zero_when_absent[name] == SIZED:
+                    # Each dim as traced, scaled as the sample's scaled: a UNet's residuals follow its latents'
+                    # size (its channels stay), Flux's ControlNet samples its image tokens (their width stays).
+                    if len(shape) != sample.dim() or len(traced) != sample.dim():
+                        return kwargs  # not this model's sample: the call is refused as it is
+                    dims = [size * now // then for size, now, then in zip(shape[1:], sample.shape[1:], traced[1:],
+                                                                             strict=True)]
+                else:
+                    dims = shape[1:]
+                values.append((path, sample.new_zeros(sample.shape[0], *dims)))
+            value = values[0][1] if values[0][0] == name else [zeros for _, zeros in values]
+            kwargs = {**kwargs, head: {**(holder or {}), key: value}} if key else {**kwargs, head: value}
+        return kwargs
 
     def _fallback_differs(self) -> str | None:
         """Why the eager module kept for the fallback would not compute with the bound weights."""

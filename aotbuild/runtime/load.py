@@ -265,7 +265,8 @@ def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: st
         tensors = checkpoint_constants(
             name, module_tensors(spec.component(name).export_module(source)),
             load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
-            DTYPES[entry["dtype"]], recipe, context.device, entry.get("unread", ()))
+            DTYPES[entry["dtype"]], recipe, context.device, entry.get("unread", ()),
+            optional=entry.get("ip_adapter", {}).get("shapes", ()))
     package = folder / entry["package"]  # extracted only from bytes of the checked hash
     sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
     variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
@@ -277,7 +278,10 @@ def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: st
     cls = lora_component_class(base) if spec.component(name).denoiser else base
     described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,
                  "target_dtype": manifest["target"]["dtype"]}
-    return cls(name, described, variants, tensors, context, eager=eager, **extra)
+    component = cls(name, described, variants, tensors, context, eager=eager, **extra)
+    if source is not None and component.ip_adapter is not None:  # the pipeline's own adapter, at its scales
+        component.ip_adapter.adopt(spec.component(name).export_module(source))
+    return component
 
 
 class UncuratedPipelineWarning(UserWarning):
@@ -402,7 +406,7 @@ def _check_lora_fused(attribute: str, module: torch.nn.Module) -> None:
 def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dtype: str | None = None,
                   cuda_graphs: bool | None = None, source: str | os.PathLike | None = None,
                   weights: str | os.PathLike | None = None, trust_remote_code: bool = False,
-                  variant: str | None = None, controlnet: Any = None) -> Any:
+                  variant: str | None = None, controlnet: Any = None, ip_adapter: bool = True) -> Any:
     """Build the artifact's pipeline with its compiled components plugged in.
 
     Args:
@@ -426,6 +430,9 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
             architecture (`ControlNetModel.from_pretrained(...)`), or a list of such models (each
             compiled with its own weights, in a `MultiControlNetModel`); its weights are bound,
             nothing is compiled.
+        ip_adapter: for an artifact built with an IP-Adapter (its target's `ip_adapter`), load that
+            adapter (its image encoder too, where the pipeline has none) as the build did; False:
+            none, and `pipe.load_ip_adapter(...)` loads one of the artifact's form later.
 
     Without `weights`, the original weights of compiled components are never loaded (nor
     downloaded); the other components come from the source (the Hub at the pinned revision, a
@@ -435,7 +442,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
         IncompatibleArtifactError (PrecisionError: `weights` stored in another dtype, and `dtype`
         not given), CorruptArtifactError, SourceError, UntrustedCodeError, NoMatchingVariantError.
     """
-    from .sources import assemble_pipeline, component_classes
+    from .sources import assemble_pipeline, component_classes, load_ip_adapter
     from .sources import load_components as load_source_components
 
     check_trusted(artifact, trust_remote_code)
@@ -461,6 +468,8 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     source_folder, seed = _source_folder(manifest, folder, source, skip=set(modules))
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
+    if ip_adapter and target.get("ip_adapter"):
+        load_ip_adapter(pipe, target["ip_adapter"], Path("."), target["seed"])
     set_pipeline_default_size(pipe, manifest)
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
 

@@ -287,7 +287,10 @@ def _input_name(path: str) -> str:
 
 
 def _feature(path: str) -> str:
-    feature = FEATURE_INPUTS.get(path) or FEATURE_INPUTS.get(path.split(".")[0])
+    """The diffusers feature an input is of: its path's, or its first one or two parts' (a list's
+    items are `...ip_adapter_masks.0`)."""
+    parts = path.split(".")
+    feature = next((FEATURE_INPUTS[p] for p in (path, ".".join(parts[:2]), parts[0]) if p in FEATURE_INPUTS), None)
     return f" ({feature} is not compiled)" if feature else ""
 
 

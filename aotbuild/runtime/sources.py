@@ -385,3 +385,68 @@ def assemble_pipeline(spec: PipelineSpec, folder: Path, components: dict[str, An
     kwargs = {k: (None if isinstance(v, list) else v) for k, v in index.items()
               if k in params and (not isinstance(v, list) or v[0] is None)}
     return cls(**kwargs, **components)
+
+
+RANDOM_IP_ADAPTER = "random"  # a target's ip_adapter: a seeded one of the plain form, for the source's UNet
+
+
+def ip_adapter_arguments(source: str, base_dir: Path) -> dict[str, Any]:
+    """A target's `ip_adapter` as `load_ip_adapter` takes it: a weights file in a Hub repo
+    (`org/name/subfolder/file.safetensors[@revision]`) or on this machine (its image encoder, if
+    the pipeline has none, in the folder's `image_encoder`)."""
+    path = Path(source).expanduser()
+    path = base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
+    if path.is_file():
+        return {"pretrained_model_name_or_path_or_dict": str(path.parent), "subfolder": "", "weight_name": path.name}
+    text, _, revision = source.partition("@")
+    parts = text.split("/")
+    if len(parts) < 3 or not parts[-1].endswith((".safetensors", ".bin")) or path.exists():
+        raise SourceError(f"ip_adapter {source!r}: neither a weights file on this machine nor one in a Hub repo "
+                          f"(org/name/subfolder/weights.safetensors[@revision])")
+    return {"pretrained_model_name_or_path_or_dict": "/".join(parts[:2]), "subfolder": "/".join(parts[2:-1]),
+            "weight_name": parts[-1], **({"revision": revision} if revision else {})}
+
+
+def random_ip_adapter(unet: Any, image_embed_dim: int, seed: int) -> dict[str, dict[str, Any]]:
+    """A seeded IP-Adapter of the plain form (an image projection to 4 tokens) for a UNet, as its
+    weights file holds it: `to_k_ip`/`to_v_ip` for each cross-attention in the UNet's processor
+    order (diffusers numbers them 1, 3, 5, ...), and the projection's `proj` and `norm`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * shape[-1] ** -0.5
+
+    config, adapter, key = unet.config, {}, 1
+    widths = {"mid_block": config.block_out_channels[-1]}
+    for name in unet.attn_processors:
+        if name.endswith("attn1.processor"):
+            continue
+        block = name.split(".")[0]
+        index = int(name.split(".")[1]) if block != "mid_block" else 0
+        hidden = widths.get(block) or (config.block_out_channels if block == "down_blocks"
+                                       else list(reversed(config.block_out_channels)))[index]
+        for part in ("to_k_ip", "to_v_ip"):
+            adapter[f"{key}.{part}.weight"] = weight(hidden, config.cross_attention_dim)
+        key += 2
+    width = config.cross_attention_dim
+    projection = {"proj.weight": weight(4 * width, image_embed_dim), "proj.bias": torch.zeros(4 * width),
+                  "norm.weight": torch.ones(width), "norm.bias": torch.zeros(width)}
+    return {"image_proj": projection, "ip_adapter": adapter}
+
+
+def load_ip_adapter(pipe: Any, source: str, base_dir: Path, seed: int) -> None:
+    """The target's IP-Adapter loaded into its pipeline (diffusers' `load_ip_adapter`)."""
+    if source == RANDOM_IP_ADAPTER:
+        encoder = getattr(pipe, "image_encoder", None)
+        if encoder is None:
+            raise SourceError("ip_adapter = \"random\" makes an adapter for the source's image encoder, and its "
+                              "pipeline has none (image_encoder)")
+        pipe.load_ip_adapter(random_ip_adapter(pipe.unet, encoder.config.projection_dim, seed),
+                             subfolder="", weight_name="")
+        return
+    try:
+        pipe.load_ip_adapter(**ip_adapter_arguments(source, base_dir))
+    except (OSError, ValueError, RuntimeError) as exc:  # a missing file or repo, no adapter, other widths
+        raise SourceError(f"cannot load the IP-Adapter {source!r}: {exc}") from None

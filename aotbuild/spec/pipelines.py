@@ -51,6 +51,11 @@ FRAMEWISE_VAES = ("AutoencoderKLQwenImage",)
 COMPILED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2", *FRAMEWISE_VAES)
 
 
+# How an input the compiled model takes as zeros is shaped when a call leaves it out
+# (`ComponentSpec.zero_when_absent`): like the sample in every dim, or in its batch only.
+SIZED, BATCHED = "sized", "batched"
+
+
 def _same_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
@@ -116,9 +121,11 @@ class ComponentSpec:
         finish: what the eager forward does after the part compiled at fixed arguments, given
             the module's config, the compiled outputs and the call's keyword arguments (a
             ControlNet's conditioning scale and guess mode); None: nothing.
-        zero_when_absent: inputs a call may leave out that stand for zeros the model adds (a
-            ControlNet's residuals, which a UNet adds to its skip connections): a model compiled
-            with them serves a call without them, given zeros, exactly (x + 0 is x).
+        zero_when_absent: inputs (dotted paths) a call may leave out that the compiled model takes
+            as zeros, by how their zeros are shaped: SIZED (at the sample's batch and size, a
+            ControlNet's residuals, which a UNet adds to its skip connections: x + 0 is x) or
+            BATCHED (at the sample's batch, the rest as traced: an IP-Adapter's image embeddings,
+            whose attention the stand-in zeroes through its weights when no adapter is loaded).
         class_checked: the pipeline checks `isinstance(module, <its class>)` (diffusers' ControlNet
             pipelines assert it): the stand-in reports the model's class as its `__class__`.
     """
@@ -138,7 +145,7 @@ class ComponentSpec:
     beside_denoiser: bool = False
     output_fields: tuple[str, ...] = ("sample",)
     finish: Callable[[Mapping[str, Any], Any, dict[str, Any]], Any] | None = None
-    zero_when_absent: tuple[str, ...] = ()
+    zero_when_absent: Mapping[str, str] = dataclasses.field(default_factory=dict)
     class_checked: bool = False
 
     @property
@@ -219,7 +226,8 @@ UNET = ComponentSpec(
     output_class="diffusers.models.unets.unet_2d_condition.UNet2DConditionOutput",
     read_attributes=("add_embedding.linear_1.in_features",),
     denoiser=True,
-    zero_when_absent=("down_block_additional_residuals", "mid_block_additional_residual"),
+    zero_when_absent={"down_block_additional_residuals": SIZED, "mid_block_additional_residual": SIZED,
+                      "added_cond_kwargs.image_embeds": BATCHED},  # a ControlNet's, an IP-Adapter's
 )
 
 TRANSFORMER = ComponentSpec(
@@ -230,7 +238,8 @@ TRANSFORMER = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
     denoiser=True,
-    zero_when_absent=("controlnet_block_samples", "controlnet_single_block_samples"),  # Flux's ControlNet's
+    # Flux's ControlNet's samples
+    zero_when_absent={"controlnet_block_samples": SIZED, "controlnet_single_block_samples": SIZED},
 )
 
 

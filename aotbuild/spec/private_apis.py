@@ -36,6 +36,7 @@ __all__ = [
     "package_aoti", "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds",
     "serve_http_port", "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
     "check_inputs_multiple", "attributes_read", "returned_classes", "running_pipeline_call",
+    "ip_adapter_layers", "ip_adapter_loras",
 ]
 
 
@@ -406,3 +407,24 @@ def running_pipeline_call(names: tuple[str, ...]) -> tuple[Any, dict[str, Any]] 
             return owner, {name: frame.f_locals.get(name) for name in names}
         frame = frame.f_back
     return None
+
+
+def ip_adapter_layers(unet: torch.nn.Module, state_dicts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Any]]:
+    """UNet2DConditionModel's `_convert_ip_adapter_attn_to_diffusers` and
+    `_convert_ip_adapter_image_proj_to_diffusers` (loaders/unet.py): IP-Adapter state dicts as
+    diffusers' attention processors (by processor name) and image projection layers, the two halves
+    of its `_load_ip_adapter_weights`, which also installs them; built on the host as real modules
+    (`low_cpu_mem_usage=False`) from a UNet that may be on the meta device (read for its config and
+    processor names only). Without it: aotbuild would convert every adapter form itself."""
+    processors = unet._convert_ip_adapter_attn_to_diffusers(state_dicts, low_cpu_mem_usage=False)
+    projections = [unet._convert_ip_adapter_image_proj_to_diffusers(state_dict["image_proj"], low_cpu_mem_usage=False)
+                   for state_dict in state_dicts]
+    return processors, projections
+
+
+def ip_adapter_loras(unet: torch.nn.Module, state_dicts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """UNet2DConditionModel's `_load_ip_adapter_loras` (loaders/unet.py): the LoRAs an IP-Adapter
+    FaceID state dict carries, which `load_ip_adapter` loads with `load_lora_weights` (empty for
+    other adapters); read from the UNet's processor names only. Without it: `load_ip_adapter` on a
+    compiled UNet fails after the adapter is loaded."""
+    return unet._load_ip_adapter_loras(state_dicts)

@@ -1,0 +1,200 @@
+"""IP-Adapters on compiled UNets (SDXL, SD 1.5): an artifact built with an adapter (a target's
+`ip_adapter`) compiles its layers in and takes any adapter of that form as data: diffusers'
+`load_ip_adapter`, `set_ip_adapter_scale` (a float, per-block dicts), `ip_adapter_image` and
+`ip_adapter_image_embeds`, `unload_ip_adapter`. Compiled == eager with the same seeds for each,
+guidance off, a LoRA beside the adapter, apply() on a pipeline holding one, SD 1.5 over a dynamic
+range with a ControlNet in the same call; other forms, masks and artifacts built without an
+adapter are refused in the user's terms."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import aotbuild
+from aotbuild.builder.targets import load_target, parse_target, read_target_file
+from aotbuild.errors import MissingAttributeError, ShapeNotSupportedError, TargetError, WeightsMismatchError
+from aotbuild.runtime.sources import random_ip_adapter
+from aotbuild.spec.pipelines import seeded_image
+
+from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
+
+ATOL = 1e-4  # images in [0, 1]; float32 compiled vs eager differ by ~2e-6
+IMAGE = seeded_image(40, 48)  # the image prompt (the feature extractor resizes it)
+
+
+def run(pipe, height: int = 64, width: int = 64, **call):
+    call = {"num_inference_steps": 3, "output_type": "np", "height": height, "width": width, **call}
+    return pipe("a red fox in the snow", generator=torch.Generator("cpu").manual_seed(0), **call).images
+
+
+def both(compiled, eager, **call):
+    return same_as_eager(run, compiled, eager, ATOL, **call)
+
+
+def on_both(pipes, method: str, *args, **kwargs) -> None:
+    for pipe in pipes:
+        getattr(pipe, method)(*args, **kwargs)
+
+
+def adapter(pipe, seed: int, width: int = 32) -> dict:
+    """A seeded IP-Adapter of the plain form for the pipeline's UNet (image embeddings `width` wide)."""
+    return random_ip_adapter(pipe.unet, width, seed)
+
+
+@functools.cache
+def _target(name: str):
+    return load_target(TARGETS / f"{name}.toml")
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    """(build, target) of the tiny SDXL artifact built with an IP-Adapter."""
+    target = _target("cpu-tiny-sdxl-ip-adapter")
+    return build_once(tmp_path_factory, target), target
+
+
+@pytest.mark.slow
+def test_scales_images_and_embeddings_match_eager(sdxl):
+    """The adapter the target names, loaded by load_pipeline as the build loaded it: the default
+    call, a scale, per-block scales, scale 0, guidance off, embeddings given instead of an image;
+    the adapter changes the image (the test would see one that did nothing)."""
+    built, target = sdxl
+    compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+    pipes = (compiled, eager)
+    with_image = both(compiled, eager, ip_adapter_image=IMAGE)
+    on_both(pipes, "set_ip_adapter_scale", 0.5)
+    both(compiled, eager, ip_adapter_image=IMAGE)
+    on_both(pipes, "set_ip_adapter_scale", {"up": {"block_0": [0.0, 1.0]}})  # one layer of one block
+    both(compiled, eager, ip_adapter_image=IMAGE)
+    on_both(pipes, "set_ip_adapter_scale", 0.0)
+    without = both(compiled, eager, ip_adapter_image=IMAGE)
+    assert np.abs(with_image - without).max() > 0.05  # the adapter steers the image
+    on_both(pipes, "set_ip_adapter_scale", 1.0)
+    both(compiled, eager, ip_adapter_image=IMAGE, guidance_scale=1.0)
+    embeds = eager.prepare_ip_adapter_image_embeds(IMAGE, None, "cpu", 1, True)
+    np.testing.assert_allclose(both(compiled, eager, ip_adapter_image_embeds=embeds), with_image, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_unload_another_adapter_and_none(sdxl):
+    """`unload_ip_adapter()` gives the base UNet's images exactly as eager does; another adapter
+    of the same form loads as data (no compile); `load_pipeline(ip_adapter=False)` starts with none,
+    and a pipeline with an adapter loaded refuses a call without its image as eager does."""
+    built, target = sdxl
+    compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+    pipes = (compiled, eager)
+    with pytest.raises(ValueError, match="requires the keyword argument `image_embeds`"):
+        run(compiled)
+    on_both(pipes, "unload_ip_adapter")
+    assert compiled.unet.encoder_hid_proj is None and compiled.image_encoder is None
+    base = both(compiled, eager)
+    np.testing.assert_allclose(run(aotbuild.load_pipeline(built.folder, ip_adapter=False)), base, atol=ATOL, rtol=0)
+    encoder = eager_pipeline(target).image_encoder
+    for pipe in pipes:
+        pipe.register_modules(image_encoder=encoder)
+        pipe.load_ip_adapter(adapter(eager, 7), subfolder="", weight_name="")
+    other = both(compiled, eager, ip_adapter_image=IMAGE)
+    assert np.abs(other - base).max() > 0.05
+
+
+@pytest.mark.slow
+def test_other_forms_and_masks_are_refused(sdxl):
+    """An adapter taking wider image embeddings, or two adapters, on a one-adapter artifact: refused
+    naming both forms, the loaded adapter kept; IP-Adapter masks are refused by name."""
+    built, target = sdxl
+    compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+    before = run(compiled, ip_adapter_image=IMAGE)
+    with pytest.raises(WeightsMismatchError, match=r"this artifact takes 1 IP-Adapter: ImageProjection \(4 image "
+                       r"tokens from 32-wide image embeddings\); the IP-Adapter given is 1 IP-Adapter: "
+                       r"ImageProjection \(4 image tokens from 48-wide image embeddings\).*nothing was loaded"):
+        compiled.load_ip_adapter(adapter(eager, 3, width=48), subfolder="", weight_name="")
+    with pytest.raises(WeightsMismatchError, match="the IP-Adapter given is 2 IP-Adapters"):
+        compiled.load_ip_adapter([adapter(eager, 3), adapter(eager, 4)], subfolder=["", ""], weight_name=["", ""])
+    np.testing.assert_array_equal(run(compiled, ip_adapter_image=IMAGE), before)
+    mask = torch.ones(1, 1, 64, 64)
+    with pytest.raises(ShapeNotSupportedError, match=r"ip_adapter_masks.0. is not an input of the compiled unet "
+                                                     r"\(IP-Adapter masks is not compiled\)"):
+        run(compiled, ip_adapter_image=IMAGE, cross_attention_kwargs={"ip_adapter_masks": [mask]})
+
+
+@pytest.mark.slow
+def test_apply_takes_the_pipelines_adapter_and_a_lora_beside_it(sdxl, tmp_path):
+    """apply() on a pipeline holding an IP-Adapter at a scale: its weights and scale, bound; a LoRA
+    loaded beside the adapter: both as eager has them."""
+    built, target = sdxl
+    eager = eager_pipeline(target)
+    eager.unload_ip_adapter()
+    eager.register_modules(image_encoder=eager_pipeline(target).image_encoder)
+    eager.load_ip_adapter(adapter(eager, 11), subfolder="", weight_name="")
+    eager.set_ip_adapter_scale(0.6)
+    want = run(eager, ip_adapter_image=IMAGE)
+    pipe = eager_pipeline(target)
+    pipe.unload_ip_adapter()
+    pipe.register_modules(image_encoder=eager.image_encoder)
+    pipe.load_ip_adapter(adapter(eager, 11), subfolder="", weight_name="")
+    pipe.set_ip_adapter_scale(0.6)
+    aotbuild.apply(pipe, built.folder)
+    np.testing.assert_allclose(run(pipe, ip_adapter_image=IMAGE), want, atol=ATOL, rtol=0)
+    lora = make_lora(eager, tmp_path, seed=5)
+    on_both((pipe, eager), "load_lora_weights", lora, adapter_name="style")
+    both(pipe, eager, ip_adapter_image=IMAGE)
+
+
+@pytest.mark.slow
+def test_sd15_with_a_controlnet_over_its_dynamic_range(tmp_path_factory):
+    """SD 1.5's ControlNet pipeline built with an IP-Adapter: an image prompt and a control image
+    in one call, at sizes and batches of the dynamic range; the plain pipeline (from_pipe) with the
+    adapter and without a ControlNet."""
+    import diffusers
+
+    target = _target("cpu-tiny-sd15-controlnet")
+    built = build_once(tmp_path_factory, target)
+    compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+    both(compiled, eager, height=96, width=32, num_images_per_prompt=2, ip_adapter_image=IMAGE,
+         image=seeded_image(96, 32))
+    on_both((compiled, eager), "set_ip_adapter_scale", 0.3)
+    both(compiled, eager, height=48, width=80, ip_adapter_image=IMAGE, image=seeded_image(48, 80))
+    plain = [diffusers.StableDiffusionPipeline.from_pipe(p) for p in (compiled, eager)]
+    both(*plain, ip_adapter_image=IMAGE)
+
+
+@pytest.mark.slow
+def test_artifacts_without_an_adapter_refuse_one(tmp_path_factory):
+    """`load_ip_adapter` on an artifact built without an IP-Adapter names the target key to build with."""
+    target = _target("cpu-tiny-sdxl-controlnet")
+    compiled = aotbuild.load_pipeline(build_once(tmp_path_factory, target).folder)
+    with pytest.raises(MissingAttributeError, match="(?s)this artifact takes no IP-Adapter.*ip_adapter = "):
+        compiled.load_ip_adapter(adapter(eager_pipeline(_target("cpu-tiny-sdxl-ip-adapter")), 1),
+                                 subfolder="", weight_name="", image_encoder_folder=None)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"pipeline": "FluxPipeline", "source": "random:tiny-flux", "components": {"transformer": {}}},
+     "FluxPipeline is not a pipeline whose IP-Adapter aotbuild compiles"),
+    ({"optimize": {"fuse_qkv": True}}, "not compiled with the fuse_qkv pass"),
+    ({"compile": {"mode": "regional"}}, "not compiled with regional compilation"),
+])
+def test_targets_refuse_what_an_adapter_cannot_be_built_with(change, message):
+    path = TARGETS / "cpu-tiny-sdxl-ip-adapter.toml"
+    raw = {**read_target_file(path), **change}
+    with pytest.raises(TargetError, match=message):
+        parse_target(raw, str(path), TARGETS)
+
+
+def test_a_hub_adapter_is_named_as_load_ip_adapter_takes_it(tmp_path):
+    from aotbuild.errors import SourceError
+    from aotbuild.runtime.sources import ip_adapter_arguments
+
+    assert ip_adapter_arguments("h94/IP-Adapter/sdxl_models/ip-adapter_sdxl.safetensors@v1", tmp_path) == {
+        "pretrained_model_name_or_path_or_dict": "h94/IP-Adapter", "subfolder": "sdxl_models",
+        "weight_name": "ip-adapter_sdxl.safetensors", "revision": "v1"}
+    (tmp_path / "mine.safetensors").write_bytes(b"")
+    assert ip_adapter_arguments("mine.safetensors", tmp_path)["weight_name"] == "mine.safetensors"
+    with pytest.raises(SourceError, match="neither a weights file on this machine nor one in a Hub repo"):
+        ip_adapter_arguments("h94/IP-Adapter", tmp_path)
+    assert dataclasses.replace(_target("cpu-tiny-sdxl-ip-adapter")).to_dict()["ip_adapter"] == "random"
