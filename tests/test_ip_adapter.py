@@ -17,7 +17,14 @@ import torch
 
 import aotbuild
 from aotbuild.builder.targets import load_target, parse_target, read_target_file
-from aotbuild.errors import MissingAttributeError, ShapeNotSupportedError, TargetError, WeightsMismatchError
+from aotbuild.errors import (
+    MissingAttributeError,
+    ShapeNotSupportedError,
+    SourceError,
+    TargetError,
+    UnsupportedCallError,
+    WeightsMismatchError,
+)
 from aotbuild.runtime.sources import random_ip_adapter
 from aotbuild.spec.pipelines import seeded_image
 
@@ -111,10 +118,17 @@ def test_other_forms_and_masks_are_refused(sdxl):
     before = run(compiled, ip_adapter_image=IMAGE)
     with pytest.raises(WeightsMismatchError, match=r"this artifact takes 1 IP-Adapter: ImageProjection \(4 image "
                        r"tokens from 32-wide image embeddings\); the IP-Adapter given is 1 IP-Adapter: "
-                       r"ImageProjection \(4 image tokens from 48-wide image embeddings\).*nothing was loaded"):
+                       r"ImageProjection \(4 image tokens from 48-wide image embeddings\).*the unet keeps the "
+                       r"adapter it had"):
         compiled.load_ip_adapter(adapter(eager, 3, width=48), subfolder="", weight_name="")
     with pytest.raises(WeightsMismatchError, match="the IP-Adapter given is 2 IP-Adapters"):
         compiled.load_ip_adapter([adapter(eager, 3), adapter(eager, 4)], subfolder=["", ""], weight_name=["", ""])
+    np.testing.assert_array_equal(run(compiled, ip_adapter_image=IMAGE), before)
+    with pytest.raises(UnsupportedCallError, match="IP-Adapter 0 is given 2 images in this call; this artifact "
+                                                   "takes 1 per IP-Adapter"):
+        run(compiled, ip_adapter_image=[[IMAGE, IMAGE]])
+    with pytest.raises(UnsupportedCallError, match=r"set_attn_processor\(\): the compiled attention"):
+        compiled.unet.set_attn_processor(eager.unet.attn_processors)
     np.testing.assert_array_equal(run(compiled, ip_adapter_image=IMAGE), before)
     mask = torch.ones(1, 1, 64, 64)
     with pytest.raises(ShapeNotSupportedError, match=r"ip_adapter_masks.0. is not an input of the compiled unet "
@@ -143,6 +157,26 @@ def test_apply_takes_the_pipelines_adapter_and_a_lora_beside_it(sdxl, tmp_path):
     lora = make_lora(eager, tmp_path, seed=5)
     on_both((pipe, eager), "load_lora_weights", lora, adapter_name="style")
     both(pipe, eager, ip_adapter_image=IMAGE)
+
+
+@pytest.mark.slow
+def test_the_eager_fallback_and_a_changed_adapter_are_refused(sdxl):
+    """With an adapter loaded, a call no variant covers is refused rather than run by the eager module
+    (which does not follow the compiled adapter state); the adapter a target names, holding other
+    weights than the artifact was built with, is refused at load and left unloaded."""
+    from aotbuild.runtime.load import load_built_ip_adapter
+
+    built, target = sdxl
+    pipe = eager_pipeline(target)
+    aotbuild.apply(pipe, built.folder, eager_fallback=True)
+    with pytest.raises(ShapeNotSupportedError, match="the eager fallback cannot run this unet's weights: the "
+                                                     "IP-Adapter state is the compiled model's"):
+        run(pipe, height=96, width=96, ip_adapter_image=IMAGE)
+    compiled = aotbuild.load_pipeline(built.folder, ip_adapter=False)
+    compiled.register_modules(image_encoder=pipe.image_encoder)
+    with pytest.raises(SourceError, match="holds other weights now than this artifact was built with"):
+        load_built_ip_adapter(compiled, {**target.to_dict(), "seed": 5}, TARGETS)
+    assert compiled.unet.encoder_hid_proj is None
 
 
 @pytest.mark.slow

@@ -268,7 +268,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         mark_verified(out / entry["weights"], manifest["files"][entry["weights"]]["sha256"])
     if loop is not None:
         with stages("validate", f"a {loop.steps}-step denoising loop, compiled vs eager float32"):
-            manifest["validation"] = {"loop": validate_loop(out, manifest, pipe, spec, loop, device, allow_drift)}
+            manifest["validation"] = {"loop": validate_loop(out, manifest, pipe, spec, loop, device, allow_drift,
+                                                            target.base_dir)}
         del pipe
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
     if stages.peak_rss_mib:

@@ -10,8 +10,8 @@ import torch
 
 from ..errors import BuildError, NumericsError
 from ..runtime import CompiledVariant, GraphPool, load_weights
+from ..runtime.load import load_built_ip_adapter
 from ..runtime.regional import component_variants
-from ..runtime.sources import load_ip_adapter
 from ..runtime.variant import LoadContext
 from ..spec.manifest import sha256_file, validated_with_tf32, write_manifest
 from ..spec.pipelines import PipelineSpec
@@ -77,11 +77,12 @@ def validate_artifact(out: Path, manifest: dict[str, Any], reference: dict, poin
 
 
 def validate_loop(out: Path, manifest: dict[str, Any], pipe: Any, spec: PipelineSpec, loop: Loop,
-                  device: torch.device, allow_drift: bool) -> dict[str, Any]:
+                  device: torch.device, allow_drift: bool, base_dir: Path = Path(".")) -> dict[str, Any]:
     """The capture's short denoising loop again, in the pipeline with the artifact loaded as a load
     loads it (the manifest is written first), against the eager float32 loop's final latents: an
     error every single call keeps within tolerance can grow over the steps, and fails the build
-    here. Returns what the manifest records of it (`validation.loop`)."""
+    here. Returns what the manifest records of it (`validation.loop`). `base_dir`: the target's
+    folder, where a local file it names is looked for."""
     from ..runtime import load_components
 
     write_manifest(out, manifest)
@@ -89,7 +90,7 @@ def validate_loop(out: Path, manifest: dict[str, Any], pipe: Any, spec: Pipeline
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     if manifest["target"].get("ip_adapter"):  # as load_pipeline loads it
-        load_ip_adapter(pipe, manifest["target"]["ip_adapter"], Path("."), manifest["target"]["seed"])
+        load_built_ip_adapter(pipe, manifest["target"], base_dir)
     encodes = spec.prompt_embeds is None  # the pipeline encodes its prompt itself, as at capture
     others = [m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module) and name not in modules
               and (encodes or not name.startswith("text_encoder"))]

@@ -26,7 +26,7 @@ from ..spec.private_apis import IncompatibleKeys, accept_compiled_class, ip_adap
 from . import step_cache
 from .checkpoint import QUANTIZED, module_tensors, placed_writes, placement, quant_scheme
 from .guards import StandIn, check_autocast
-from .ip_adapter import IpAdapterState
+from .ip_adapter import KEYS, IpAdapterState, embeds_path, loaded_form
 from .lora import pop_scale
 from .refusals import COVER_HINT, unsupported_call
 from .variant import CompiledVariant, LoadContext
@@ -65,9 +65,6 @@ class CompiledComponent(StandIn):
         self._weights = weights  # the base weights, bound by pointer: must live as long as the models
         self._lock = context.lock
         self._lora = None  # lora.LoraState, made by the first LoRA call
-        form = entry.get("ip_adapter")  # the IP-Adapter form compiled in (None: none)
-        self._ip = IpAdapterState(name, form, entry["config"], DTYPES[entry["dtype"]], context.device, weights,
-                                  self._rebind) if form else None
         self._leaf_paths = {leaf["path"] for v in variants for leaf in v.inputs}
         self._dtype = DTYPES[entry["dtype"]]
         # A VAE compiled in float32 inside a half-precision artifact: diffusers upcasts it itself.
@@ -101,10 +98,13 @@ class CompiledComponent(StandIn):
         self._zeros_sample = variants[0].inputs[0]
         self._zeros: dict[str, dict[str, list[int]]] = {}
         for leaf in variants[0].inputs:
-            name = next((n for n in self._spec.zero_when_absent if leaf["path"] == n
-                         or leaf["path"].startswith(f"{n}.")), None)
-            if name is not None and leaf.get("shape") is not None and self._zeros_sample.get("shape") is not None:
-                self._zeros.setdefault(name, {})[leaf["path"]] = leaf["shape"]
+            absent = next((n for n in self._spec.zero_when_absent if leaf["path"] == n
+                           or leaf["path"].startswith(f"{n}.")), None)
+            if absent is not None and leaf.get("shape") is not None and self._zeros_sample.get("shape") is not None:
+                self._zeros.setdefault(absent, {})[leaf["path"]] = leaf["shape"]
+        form = entry.get("ip_adapter")  # the IP-Adapter form compiled in (None: none)
+        self._ip = IpAdapterState(name, form, entry["config"], self._dtype, self._device, weights, self._rebind,
+                                  self._zeros.get(embeds_path(entry["config"]["_class_name"]), {})) if form else None
         for dotted, value in entry.get("attributes", {}).items():
             _set_dotted(self, dotted, value)
 
@@ -371,8 +371,15 @@ class CompiledComponent(StandIn):
         return self._ip_adapter("up_blocks").shell.up_blocks
 
     def set_attn_processor(self, processor: Any) -> None:
-        """What `unload_ip_adapter` sets: the processors without the adapter."""
+        """What `unload_ip_adapter` sets once the adapter is gone: the processors without one. The
+        compiled attention is the artifact's: nothing else is taken."""
         state = self._ip_adapter("set_attn_processor")
+        given = processor.values() if isinstance(processor, dict) else [processor]
+        if state.loaded or any(hasattr(p, KEYS[0]) for p in given):
+            raise UnsupportedCallError(
+                f"{self.component_name}.set_attn_processor(): the compiled attention and its IP-Adapter layers are "
+                f"the artifact's", hint="load IP-Adapters with pipe.load_ip_adapter(), remove them with "
+                                        "pipe.unload_ip_adapter(), scale them with pipe.set_ip_adapter_scale()")
         with self._lock:
             state.shell.set_attn_processor(processor)
 
@@ -492,7 +499,7 @@ class CompiledComponent(StandIn):
         sample = (args[0] if args else None) if first == "args[0]" else kwargs.get(first)
         if not isinstance(sample, torch.Tensor):
             return kwargs
-        traced = self._zeros_sample["shape"]
+        traced, given = self._zeros_sample["shape"], kwargs
         for name, leaves in self._zeros.items():
             head, _, key = name.partition(".")  # an input, or a key of a dict input (added_cond_kwargs)
             holder = kwargs.get(head) if key else kwargs
@@ -504,7 +511,7 @@ class CompiledComponent(StandIn):
                     # Each dim as traced, scaled as the sample's scaled: a UNet's residuals follow its latents'
                     # size (its channels stay), Flux's ControlNet samples its image tokens (their width stays).
                     if len(shape) != sample.dim() or len(traced) != sample.dim():
-                        return kwargs  # not this model's sample: the call is refused as it is
+                        return given  # not this model's sample: the call is refused as it is
                     dims = [size * now // then for size, now, then in zip(shape[1:], sample.shape[1:], traced[1:],
                                                                              strict=True)]
                 else:
@@ -516,6 +523,10 @@ class CompiledComponent(StandIn):
 
     def _fallback_differs(self) -> str | None:
         """Why the eager module kept for the fallback would not compute with the bound weights."""
+        eager_adapter = self._ip is not None and loaded_form(self._spec.export_module(self._eager[0])) is not None
+        if self._ip is not None and (self._ip.loaded or eager_adapter):
+            return ("the IP-Adapter state is the compiled model's (load_ip_adapter, set_ip_adapter_scale, "
+                    "unload_ip_adapter), not the eager module's")
         if self._replaced is not None:
             return f"parameter {self._replaced!r} was replaced, and the eager module keeps the tensor it had"
         if self._weights_seen:

@@ -442,7 +442,7 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
         IncompatibleArtifactError (PrecisionError: `weights` stored in another dtype, and `dtype`
         not given), CorruptArtifactError, SourceError, UntrustedCodeError, NoMatchingVariantError.
     """
-    from .sources import assemble_pipeline, component_classes, load_ip_adapter
+    from .sources import assemble_pipeline, component_classes
     from .sources import load_components as load_source_components
 
     check_trusted(artifact, trust_remote_code)
@@ -469,9 +469,27 @@ def load_pipeline(artifact: str | os.PathLike, *, device: str | None = None, dty
     others = load_source_components(source_folder, seed=seed, skip=set(modules), dtype=DTYPES[target["dtype"]])
     pipe = assemble_pipeline(spec, source_folder, {**others, **modules})
     if ip_adapter and target.get("ip_adapter"):
-        load_ip_adapter(pipe, target["ip_adapter"], Path("."), target["seed"])
+        load_built_ip_adapter(pipe, target, Path("."))
     set_pipeline_default_size(pipe, manifest)
     return pipe.to(torch.device(device or manifest["environment"]["device_type"]))
+
+
+def load_built_ip_adapter(pipe: Any, target: dict[str, Any], base_dir: Path) -> None:
+    """The IP-Adapter an artifact was built with (its target's `ip_adapter`, a local file looked for
+    from `base_dir`), loaded into its pipeline as the build loaded it; refused when what the target
+    names holds other weights now than the artifact was built with (a file replaced, a Hub file
+    updated since: pin its revision), the pipeline's adapter then unloaded."""
+    from .sources import load_ip_adapter
+
+    load_ip_adapter(pipe, target["ip_adapter"], base_dir, target["seed"])
+    for name, module in pipe.components.items():
+        state = getattr(module, "ip_adapter", None) if isinstance(module, CompiledComponent) else None
+        if state is not None and (fqn := state.first_difference()) is not None:
+            pipe.unload_ip_adapter()
+            raise SourceError(f"the IP-Adapter {target['ip_adapter']!r} holds other weights now than this artifact was "
+                              f"built with ({name} constant {fqn!r} differs)",
+                              hint="pin the adapter's revision (@sha) in the target and rebuild; or load with "
+                                   "ip_adapter=False and pipe.load_ip_adapter() the adapter you want")
 
 
 def _controlnet_weights(manifest: dict[str, Any], controlnet: Any) -> torch.nn.Module:
