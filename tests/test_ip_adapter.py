@@ -96,6 +96,9 @@ def test_unload_another_adapter_and_none(sdxl):
     compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
     pipes = (compiled, eager)
     with pytest.raises(ValueError, match="requires the keyword argument `image_embeds`"):
+        run(eager)
+    with pytest.raises(ValueError, match=r"unet: an IP-Adapter is loaded and this call gives it no image "
+                                         r"\(ip_adapter_image or ip_adapter_image_embeds\)"):
         run(compiled)
     on_both(pipes, "unload_ip_adapter")
     assert compiled.unet.encoder_hid_proj is None and compiled.image_encoder is None
@@ -208,8 +211,10 @@ def test_artifacts_without_an_adapter_refuse_one(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"pipeline": "FluxPipeline", "source": "random:tiny-flux", "components": {"transformer": {}}},
-     "FluxPipeline is not a pipeline whose IP-Adapter aotbuild compiles"),
+    ({"pipeline": "StableDiffusion3Pipeline", "source": "random:tiny-sd3", "components": {"transformer": {}}},
+     "StableDiffusion3Pipeline is not a pipeline whose IP-Adapter aotbuild compiles"),
+    ({"pipeline": "FluxControlNetPipeline", "source": "random:tiny-flux-controlnet",
+      "components": {"transformer": {}, "controlnet": {}}}, "passes the image embeddings to its ControlNet too"),
     ({"optimize": {"fuse_qkv": True}}, "not compiled with the fuse_qkv pass"),
     ({"compile": {"mode": "regional"}}, "not compiled with regional compilation"),
 ])
@@ -232,3 +237,51 @@ def test_a_hub_adapter_is_named_as_load_ip_adapter_takes_it(tmp_path):
     with pytest.raises(SourceError, match="neither a weights file on this machine nor one in a Hub repo"):
         ip_adapter_arguments("h94/IP-Adapter", tmp_path)
     assert dataclasses.replace(_target("cpu-tiny-sdxl-ip-adapter")).to_dict()["ip_adapter"] == "random"
+
+
+@pytest.mark.slow
+def test_flux_adapter_calls_match_eager(tmp_path_factory):
+    """Flux's IP-Adapter (XLabs' form: to_k_ip/to_v_ip with biases in each double-stream block): the
+    default call, a scale per layer, true CFG with a negative image prompt, a call without an image
+    refused (eager fails it), unloading, another adapter as data, another form refused."""
+    target = _target("cpu-tiny-flux-ip-adapter")
+    built = build_once(tmp_path_factory, target)
+    compiled, eager = aotbuild.load_pipeline(built.folder), eager_pipeline(target)
+    pipes = (compiled, eager)
+    with_image = both(compiled, eager, ip_adapter_image=IMAGE)
+    with pytest.raises(TypeError):  # eager's processors, given no image tokens
+        run(eager)
+    with pytest.raises(ValueError, match="transformer: an IP-Adapter is loaded and this call gives it no image"):
+        run(compiled)
+    on_both(pipes, "set_ip_adapter_scale", [[0.4]])  # one scale per double-stream layer (the tiny model has one)
+    both(compiled, eager, ip_adapter_image=IMAGE)
+    both(compiled, eager, ip_adapter_image=IMAGE, negative_ip_adapter_image=seeded_image(32, 32),
+         negative_prompt="blurry", true_cfg_scale=2.0)
+    on_both(pipes, "unload_ip_adapter")
+    base = both(compiled, eager)
+    assert np.abs(with_image - base).max() > 0.05
+    encoder = eager_pipeline(target).image_encoder
+    for pipe in pipes:
+        pipe.register_modules(image_encoder=encoder)
+        pipe.load_ip_adapter(random_ip_adapter(eager.transformer, 32, 9), weight_name="")
+    both(compiled, eager, ip_adapter_image=IMAGE)
+    with pytest.raises(WeightsMismatchError, match="the IP-Adapter given is 1 IP-Adapter: ImageProjection "
+                                                   r"\(4 image tokens from 48-wide image embeddings\)"):
+        compiled.load_ip_adapter(random_ip_adapter(eager.transformer, 48, 9), weight_name="")
+
+
+def test_a_targets_image_encoder_comes_from_its_own_source(tmp_path):
+    """`image_encoder = FOLDER` (or a Hub repo): the encoder an adapter's repo lacks (XLabs' Flux one),
+    loaded beside a source whose pipeline has none; the key needs an ip_adapter."""
+    from aotbuild.builder.capturing import load_source_pipeline
+    from aotbuild.spec.pipelines import pipeline_spec
+
+    eager_pipeline(_target("cpu-tiny-sdxl-ip-adapter")).image_encoder.save_pretrained(tmp_path / "clip")
+    path = TARGETS / "cpu-tiny-sdxl-ip-adapter.toml"
+    raw = {**read_target_file(path), "source": "random:tiny-sdxl", "image_encoder": str(tmp_path / "clip")}
+    target = parse_target(raw, str(path), TARGETS)
+    pipe = load_source_pipeline(target, pipeline_spec(target.pipeline), torch.device("cpu"))
+    assert type(pipe.image_encoder).__name__ == "CLIPVisionModelWithProjection"
+    assert len(pipe.unet.encoder_hid_proj.image_projection_layers) == 1
+    with pytest.raises(TargetError, match="key 'image_encoder' is the IP-Adapter's, and the target names none"):
+        parse_target({k: v for k, v in raw.items() if k != "ip_adapter"}, str(path), TARGETS)

@@ -196,7 +196,7 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
         components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
     pipe = sources.assemble_pipeline(spec, folder, components)
     if target.ip_adapter:  # its UNet is compiled with the adapter's layers, and takes any of its form
-        sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed)
+        sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed, target.image_encoder)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 

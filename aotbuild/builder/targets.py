@@ -29,7 +29,7 @@ DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
-    "controlnet", "ip_adapter",
+    "controlnet", "ip_adapter", "image_encoder",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
 # code between blocks running eager).
@@ -112,6 +112,9 @@ class Target:
     # The IP-Adapter the UNet is built with (`sources.ip_adapter_arguments`, or "random": a seeded one
     # of the plain form): the artifact then takes any adapter of its form as data (`runtime.ip_adapter`).
     ip_adapter: str | None = None
+    # Where the IP-Adapter's image encoder comes from when the pipeline has none and the adapter's repo
+    # holds none beside it (XLabs' Flux adapter: openai/clip-vit-large-patch14): a Hub repo or folder.
+    image_encoder: str | None = None
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -135,7 +138,7 @@ class Target:
             del data["compile_mode"]
         if self.cpu_baseline is None:  # likewise
             del data["cpu_baseline"]
-        for key in ("controlnet", "ip_adapter"):  # likewise
+        for key in ("controlnet", "ip_adapter", "image_encoder"):  # likewise
             if data[key] is None:
                 del data[key]
         return data
@@ -373,6 +376,13 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                               hint="add controlnet = {} to [components]")
 
     ip_adapter = _parse_ip_adapter(origin, raw.get("ip_adapter"), spec, optimize, compile_mode)
+    image_encoder = raw.get("image_encoder")
+    if image_encoder is not None:
+        _expect(origin, "image_encoder", image_encoder, str, "a string: a Hub model repo (org/name[@revision]) or a "
+                "folder")
+        if ip_adapter is None:
+            raise TargetError(f"{origin}: key 'image_encoder' is the IP-Adapter's, and the target names none",
+                              hint="add ip_adapter = ...")
 
     return Target(
         name=name, pipeline=spec.class_name, source=source, device=device, shapes=shapes,
@@ -382,7 +392,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
-        controlnet=controlnet, ip_adapter=ip_adapter, base_dir=base_dir,
+        controlnet=controlnet, ip_adapter=ip_adapter, image_encoder=image_encoder, base_dir=base_dir,
     )
 
 
@@ -399,10 +409,17 @@ def _parse_ip_adapter(origin: str, value: Any, spec: Any, optimize: dict[str, An
     _expect(origin, "ip_adapter", value, str, "a string: a weights file in a Hub repo "
             "(org/name/subfolder/weights.safetensors[@revision]) or on this machine")
     import diffusers
+    from diffusers.loaders import FluxIPAdapterMixin, IPAdapterMixin
 
-    if "unet" not in spec.components or not hasattr(getattr(diffusers, spec.class_name), "load_ip_adapter"):
+    # The UNet pipelines' adapters and Flux's (SD3's takes the timestep in its projection: not compiled).
+    if not issubclass(getattr(diffusers, spec.class_name), (IPAdapterMixin, FluxIPAdapterMixin)):
         raise TargetError(f"{origin}: key 'ip_adapter': {spec.class_name} is not a pipeline whose IP-Adapter aotbuild "
-                          f"compiles (those of SDXL's and SD 1.5's UNet pipelines; Flux's is not compiled yet)")
+                          f"compiles (SDXL's and SD 1.5's UNet pipelines, FluxPipeline and its img2img and inpainting "
+                          f"siblings)")
+    if "transformer" in spec.components and "controlnet" in spec.components:
+        raise TargetError(f"{origin}: key 'ip_adapter': {spec.class_name} passes the image embeddings to its "
+                          f"ControlNet too, which aotbuild does not compile with them yet",
+                          hint="build FluxPipeline with the adapter")
     passes = [name for name in IP_ADAPTER_PASSES if optimize.get(name)]
     if passes or compile_mode != "whole":
         what = f"the {', '.join(passes)} pass" if passes else "regional compilation"

@@ -225,8 +225,9 @@ class Generation:
 
 
 def ip_adapter_loaded(pipe: Any) -> bool:
-    """Whether an IP-Adapter is loaded into the pipeline's UNet (compiled or eager)."""
-    return hasattr(getattr(getattr(pipe, "unet", None), "encoder_hid_proj", None), "image_projection_layers")
+    """Whether an IP-Adapter is loaded into the pipeline's UNet or Flux transformer (compiled or eager)."""
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    return hasattr(getattr(denoiser, "encoder_hid_proj", None), "image_projection_layers")
 
 
 def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list[int], height: int | None = None,

@@ -31,11 +31,9 @@ from .lora import meta_model
 
 PROJECTION = "encoder_hid_proj"  # where diffusers puts the adapters' image projection layers in the model
 KEYS = ("to_k_ip", "to_v_ip")  # an IP-Adapter processor's projections, one per adapter
-# Where each model that takes IP-Adapters takes the image embeddings (a dict input and its key), and
-# whether its eager forward refuses a call without them while an adapter is loaded (the UNet) or
-# runs that call without the adapter (Flux's transformer: its processors get no image tokens).
-IMAGE_EMBEDS = {"UNet2DConditionModel": ("added_cond_kwargs", "image_embeds", True),
-                "FluxTransformer2DModel": ("joint_attention_kwargs", "ip_adapter_image_embeds", False)}
+# Where each model that takes IP-Adapters takes the image embeddings: a dict input and its key.
+IMAGE_EMBEDS = {"UNet2DConditionModel": ("added_cond_kwargs", "image_embeds"),
+                "FluxTransformer2DModel": ("joint_attention_kwargs", "ip_adapter_image_embeds")}
 _generations = itertools.count(1)
 
 
@@ -57,9 +55,12 @@ def adapter_tensors(processors: dict[str, Any], projections: list[Any]) -> dict[
 def describe(processors: dict[str, Any], projections: list[Any]) -> list[str]:
     """Each adapter's form as a user names it: its image projection, the tokens it makes and the
     width of the image embeddings it takes (the image encoder's)."""
-    tokens = next((p.num_tokens for p in processors.values() if hasattr(p, KEYS[0])), [None] * len(projections))
+    counted = next((getattr(p, "num_tokens", None) for p in processors.values() if hasattr(p, KEYS[0])), None)
     forms = []
-    for layer, count in zip(projections, tokens, strict=True):
+    for i, layer in enumerate(projections):
+        latents = getattr(layer, "latents", None)  # a Plus projection's queries
+        count = getattr(layer, "num_image_text_embeds", None) or getattr(layer, "num_tokens", None) or (
+            latents.shape[1] if isinstance(latents, torch.Tensor) else counted[i] if counted else "?")
         linear = next((m for m in layer.modules() if isinstance(m, torch.nn.Linear)), None)
         width = f" from {linear.in_features}-wide image embeddings" if linear is not None else ""
         forms.append(f"{type(layer).__name__} ({count} image tokens{width})")
@@ -100,7 +101,7 @@ class IpAdapterState:
         self._config, self._shell = config, None
         self._component, self._form, self._dtype, self._device = component, form, dtype, device
         self._base, self._rebind = base, rebind
-        self._holder, self._key, self._refuses = IMAGE_EMBEDS[config["_class_name"]]
+        self._holder, self._key = IMAGE_EMBEDS[config["_class_name"]]
         self._traced = traced  # the image embeddings' traced shapes, by input path
         self._tensors: dict[str, torch.Tensor] = {}  # the loaded adapters' constants, as the code reads them
         self._generation = 0  # which load made them
@@ -134,7 +135,7 @@ class IpAdapterState:
         was, when their form differs. The converted layers then go to the meta device: their
         values are in the bound constants."""
         shell = self.shell
-        before = getattr(shell, PROJECTION)
+        before = getattr(shell, PROJECTION, None)
         setattr(shell, PROJECTION, None)
         try:
             processors, projections = ip_adapter_layers(shell, state_dicts)
@@ -202,14 +203,14 @@ class IpAdapterState:
     def sync(self, kwargs: dict[str, Any]) -> None:
         """Bind the weights the adapters' state asks for, if it changed since the last call: the
         adapters at their scales when one is loaded and the call gives image embeddings, else none.
-        A call the eager model refuses (the UNet, called without image embeddings while an adapter
-        is loaded) is refused as it refuses it; image embeddings of another number of images per
-        adapter than compiled are refused in those terms."""
+        A call without image embeddings while an adapter is loaded is refused, as eager refuses it
+        (the UNet with a ValueError, Flux's processors with a TypeError); image embeddings of another
+        number of images per adapter than compiled are refused in those terms."""
         embeds = (kwargs.get(self._holder) or {}).get(self._key)
-        if embeds is None and self.loaded and self._refuses:
-            raise ValueError(f"{self.shell.__class__.__name__} has the config param `encoder_hid_dim_type` set to "
-                             f"'ip_image_proj' which requires the keyword argument `image_embeds` to be passed in  "
-                             f"`added_conditions`")
+        if embeds is None and self.loaded:
+            raise ValueError(f"{self._component}: an IP-Adapter is loaded and this call gives it no image "
+                             f"(ip_adapter_image or ip_adapter_image_embeds), which eager diffusers refuses too; "
+                             f"give one, or pipe.unload_ip_adapter()")
         if embeds is not None and self.loaded:
             self._check_images(embeds)
         state = (self._generation, self._scales()) if self.loaded and embeds is not None else None

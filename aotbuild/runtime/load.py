@@ -481,7 +481,7 @@ def load_built_ip_adapter(pipe: Any, target: dict[str, Any], base_dir: Path) -> 
     updated since: pin its revision), the pipeline's adapter then unloaded."""
     from .sources import load_ip_adapter
 
-    load_ip_adapter(pipe, target["ip_adapter"], base_dir, target["seed"])
+    load_ip_adapter(pipe, target["ip_adapter"], base_dir, target["seed"], target.get("image_encoder"))
     for name, module in pipe.components.items():
         state = getattr(module, "ip_adapter", None) if isinstance(module, CompiledComponent) else None
         if state is not None and (fqn := state.first_difference()) is not None:

@@ -407,10 +407,11 @@ def ip_adapter_arguments(source: str, base_dir: Path) -> dict[str, Any]:
             "weight_name": parts[-1], **({"revision": revision} if revision else {})}
 
 
-def random_ip_adapter(unet: Any, image_embed_dim: int, seed: int) -> dict[str, dict[str, Any]]:
-    """A seeded IP-Adapter of the plain form (an image projection to 4 tokens) for a UNet, as its
-    weights file holds it: `to_k_ip`/`to_v_ip` for each cross-attention in the UNet's processor
-    order (diffusers numbers them 1, 3, 5, ...), and the projection's `proj` and `norm`."""
+def random_ip_adapter(model: Any, image_embed_dim: int, seed: int) -> dict[str, dict[str, Any]]:
+    """A seeded IP-Adapter of the plain form (an image projection to 4 tokens) for a UNet or a Flux
+    transformer, as its weights file holds it: `to_k_ip`/`to_v_ip` for each attention that takes
+    one, in the model's processor order (a UNet's cross-attentions, numbered 1, 3, 5, ...; Flux's
+    double-stream blocks, 0, 1, 2, ..., with biases), and the projection's `proj` and `norm`."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -418,35 +419,56 @@ def random_ip_adapter(unet: Any, image_embed_dim: int, seed: int) -> dict[str, d
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * shape[-1] ** -0.5
 
-    config, adapter, key = unet.config, {}, 1
-    widths = {"mid_block": config.block_out_channels[-1]}
-    for name in unet.attn_processors:
-        if name.endswith("attn1.processor"):
-            continue
-        block = name.split(".")[0]
-        index = int(name.split(".")[1]) if block != "mid_block" else 0
-        hidden = widths.get(block) or (config.block_out_channels if block == "down_blocks"
-                                       else list(reversed(config.block_out_channels)))[index]
+    config, adapter = model.config, {}
+    flux = "joint_attention_dim" in config
+    width = config.joint_attention_dim if flux else config.cross_attention_dim  # what to_k_ip takes
+    layers = [name for name in model.attn_processors if not name.startswith("single_transformer_blocks")
+              and not name.endswith("attn1.processor")]
+    for i, name in enumerate(layers):
+        key = i if flux else 2 * i + 1
+        if flux:
+            hidden = config.num_attention_heads * config.attention_head_dim  # its inner_dim
+        else:
+            block, index = name.split(".")[0], int(name.split(".")[1]) if not name.startswith("mid_block") else 0
+            hidden = {"mid_block": config.block_out_channels[-1], "down_blocks": config.block_out_channels[index],
+                      "up_blocks": list(reversed(config.block_out_channels))[index]}[block]
         for part in ("to_k_ip", "to_v_ip"):
-            adapter[f"{key}.{part}.weight"] = weight(hidden, config.cross_attention_dim)
-        key += 2
-    width = config.cross_attention_dim
+            adapter[f"{key}.{part}.weight"] = weight(hidden, width)
+            if flux:
+                adapter[f"{key}.{part}.bias"] = weight(1, hidden)[0]
     projection = {"proj.weight": weight(4 * width, image_embed_dim), "proj.bias": torch.zeros(4 * width),
                   "norm.weight": torch.ones(width), "norm.bias": torch.zeros(width)}
     return {"image_proj": projection, "ip_adapter": adapter}
 
 
-def load_ip_adapter(pipe: Any, source: str, base_dir: Path, seed: int) -> None:
-    """The target's IP-Adapter loaded into its pipeline (diffusers' `load_ip_adapter`)."""
+def load_ip_adapter(pipe: Any, source: str, base_dir: Path, seed: int, image_encoder: str | None = None) -> None:
+    """The target's IP-Adapter loaded into its pipeline (diffusers' `load_ip_adapter`), with the
+    image encoder the target names (`image_encoder`) where the pipeline has none."""
+    if image_encoder is not None and getattr(pipe, "image_encoder", None) is None:
+        pipe.register_modules(image_encoder=load_image_encoder(image_encoder, base_dir, pipe.dtype))
     if source == RANDOM_IP_ADAPTER:
         encoder = getattr(pipe, "image_encoder", None)
         if encoder is None:
             raise SourceError("ip_adapter = \"random\" makes an adapter for the source's image encoder, and its "
                               "pipeline has none (image_encoder)")
-        pipe.load_ip_adapter(random_ip_adapter(pipe.unet, encoder.config.projection_dim, seed),
+        denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+        pipe.load_ip_adapter(random_ip_adapter(denoiser, encoder.config.projection_dim, seed),
                              subfolder="", weight_name="")
         return
     try:
         pipe.load_ip_adapter(**ip_adapter_arguments(source, base_dir))
     except (OSError, ValueError, RuntimeError) as exc:  # a missing file or repo, no adapter, other widths
         raise SourceError(f"cannot load the IP-Adapter {source!r}: {exc}") from None
+
+
+def load_image_encoder(source: str, base_dir: Path, dtype: Any) -> Any:
+    """A CLIP image encoder (`CLIPVisionModelWithProjection`) from a folder or Hub repo (`org/name[@revision]`)."""
+    from transformers import CLIPVisionModelWithProjection
+
+    path = Path(source).expanduser()
+    path = base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
+    name, revision = (str(path), None) if path.exists() else (*source.partition("@")[::2],)
+    try:
+        return CLIPVisionModelWithProjection.from_pretrained(name, revision=revision or None, torch_dtype=dtype).eval()
+    except OSError as exc:
+        raise SourceError(f"cannot load the image encoder {source!r}: {exc}") from None

@@ -238,8 +238,9 @@ TRANSFORMER = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
     denoiser=True,
-    # Flux's ControlNet's samples
-    zero_when_absent={"controlnet_block_samples": SIZED, "controlnet_single_block_samples": SIZED},
+    # Flux's ControlNet's samples, and its IP-Adapter's image embeddings
+    zero_when_absent={"controlnet_block_samples": SIZED, "controlnet_single_block_samples": SIZED,
+                      "joint_attention_kwargs.ip_adapter_image_embeds": BATCHED},
 )
 
 
