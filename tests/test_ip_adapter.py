@@ -285,3 +285,17 @@ def test_a_targets_image_encoder_comes_from_its_own_source(tmp_path):
     assert len(pipe.unet.encoder_hid_proj.image_projection_layers) == 1
     with pytest.raises(TargetError, match="key 'image_encoder' is the IP-Adapter's, and the target names none"):
         parse_target({k: v for k, v in raw.items() if k != "ip_adapter"}, str(path), TARGETS)
+
+
+@pytest.mark.slow
+def test_another_checkpoint_takes_the_targets_adapter(sdxl, tmp_path):
+    """load_pipeline(weights=<a fine-tune holding no adapter>): the fine-tune's UNet with the adapter
+    the target names (the adapter's constants are not looked for in the checkpoint)."""
+    built, target = sdxl
+    reference = eager_pipeline(target, seed=3)
+    encoder, extractor = reference.image_encoder, reference.feature_extractor
+    reference.unload_ip_adapter()
+    reference.register_modules(image_encoder=encoder, feature_extractor=extractor)
+    reference.save_pretrained(tmp_path / "finetune")
+    reference.load_ip_adapter(adapter(reference, target.seed), subfolder="", weight_name="")
+    both(aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune"), reference, ip_adapter_image=IMAGE)
