@@ -657,11 +657,6 @@ def serve(artifact: str, replicas: int | None, autoscale: str | None, host: str,
             raise AotbuildError(f"{target['pipeline']} needs a control image in every call, and aotbuild serve takes "
                                 f"none yet", hint="aotbuild run --control-image makes its images; in Python, "
                                                   "aotbuild.load_pipeline(artifact) takes every ControlNet call")
-        if target.get("ip_adapter"):
-            raise AotbuildError(f"{target['name']} is built with an IP-Adapter, which takes an image prompt in every "
-                                f"call, and aotbuild serve takes none yet",
-                                hint="aotbuild run --ip-adapter-image makes its images; in Python, "
-                                     "aotbuild.load_pipeline(artifact) takes every IP-Adapter call")
         if requires_image(getattr(diffusers, target["pipeline"])):
             raise AotbuildError(f"{target['pipeline']} needs an image in every call, and aotbuild serve serves "
                                 f"text-to-image and text-to-video artifacts (with img2img and inpainting from "

@@ -41,10 +41,24 @@ LATENCIES: dict[str, list[float]] = {}  # request kind -> seconds, printed at th
 # --- requests, checked without Ray ---------------------------------------------------------------
 
 def test_request_defaults_and_fields():
+    import base64
+
+    from aotbuild.generation.media import png_bytes
+
     call = parse_request({"prompt": "a fox"}, DEFAULTS)
     assert call == {"prompt": "a fox", "negative_prompt": None, "steps": 4, "guidance_scale": 5.0, "height": 64,
                     "width": 64, "seed": 0, "images": 1, "frames": None, "output": "png", "lora": None,
-                    "lora_scale": None, "image": None, "mask": None, "strength": None, "weights": None}
+                    "lora_scale": None, "image": None, "mask": None, "strength": None, "weights": None,
+                    "ip_adapter_image": None}
+    prompted = {**DEFAULTS, "image_prompt": True}  # an artifact built with an IP-Adapter
+    picture = base64.b64encode(png_bytes(Image.new("RGB", (8, 8), "red"))).decode()
+    assert parse_request({"prompt": "a fox", "ip_adapter_image": picture}, prompted)["ip_adapter_image"].size == (8, 8)
+    for body, defaults, words in (({"prompt": "a fox"}, prompted, "field 'ip_adapter_image' is required: this "
+                                   "artifact is built with an IP-Adapter"),
+                                  ({"prompt": "a fox", "ip_adapter_image": picture}, DEFAULTS,
+                                   "field 'ip_adapter_image': this artifact is built without an IP-Adapter")):
+        with pytest.raises(RequestError, match=words):
+            parse_request(body, defaults)
     adapters = {"ink": 0.8}  # the LoRAs the server was started with, and their default weights
     assert {k: parse_request({"prompt": "a fox", "lora": "ink"}, DEFAULTS, adapters=adapters)[k]
             for k in ("lora", "lora_scale")} == {"lora": "ink", "lora_scale": 0.8}
@@ -511,6 +525,37 @@ def test_a_served_video_is_the_mp4_aotbuild_run_writes(tmp_path_factory, http_po
     served, ran = imageio.imread(tmp_path / "served.mp4"), imageio.imread(tmp_path / "run.mp4")
     assert served.shape == ran.shape == (5, 32, 32, 3)
     assert np.array_equal(served, ran) and served.std() > 1  # the same frames through the same encoder
+
+
+@pytest.mark.slow
+def test_a_served_ip_adapter_artifact_takes_image_prompts(tmp_path_factory, http_port, tmp_path):
+    """An artifact built with an IP-Adapter served: a request's image prompt (base64 JSON, or a
+    multipart file) gives the image `aotbuild run --ip-adapter-image` makes; one without gets a 400."""
+    import base64
+
+    from ray import serve
+
+    from aotbuild.generation.media import png_bytes
+    from aotbuild.serving.application import app, deploy
+    from aotbuild.spec.pipelines import seeded_image
+
+    built = build_once(tmp_path_factory, load_target(TARGETS / "cpu-tiny-sdxl-ip-adapter.toml"))
+    deploy(app(str(built.folder), cpus=0.5, health_details=True), "prompted", "/prompted")
+    url = f"http://127.0.0.1:{http_port}/prompted"
+    picture = png_bytes(seeded_image(48, 40))
+    (tmp_path / "prompt.png").write_bytes(picture)
+    body = {"prompt": "a red fox in the snow", "steps": 3, "seed": 2}
+    try:
+        threads = _health(url)["threads"]
+        status, _, png = _post(url, {**body, "ip_adapter_image": base64.b64encode(picture).decode()}, "prompted")
+        form_status, form_png = _post_form(url, {k: str(v) for k, v in body.items()}, {"ip_adapter_image": picture})
+        refused = _post(url, body, "refused")
+    finally:
+        serve.delete("prompted")
+    assert status == 200 and form_status == 200, (png[:300], form_png[:300])
+    expected = _run_png(built, tmp_path, body, threads, "--ip-adapter-image", str(tmp_path / "prompt.png"))
+    assert np.abs(_pixels(png) - expected).max() == 0 and np.abs(_pixels(form_png) - expected).max() == 0
+    assert refused[0] == 400 and "field 'ip_adapter_image' is required" in json.loads(refused[2])["error"]
 
 
 def _health(url: str) -> dict:

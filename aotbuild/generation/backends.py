@@ -44,7 +44,7 @@ def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     guidance = UNGUIDED if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
     return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
             "batch": first["batch"], "guidance_scale": guidance, "frames": first.get("frames"),
-            "text": first.get("max_sequence_length")}
+            "text": first.get("max_sequence_length"), "image_prompt": bool(recorded.get("ip_adapter"))}
 
 
 LORA_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -240,7 +240,7 @@ def _body(model: Any, files: bool = False) -> dict[str, Any]:
     content = {"application/json": {"schema": schema}}
     if files:
         fields = copy.deepcopy(schema)
-        for name in ("image", "mask"):
+        for name in ("image", "mask", "ip_adapter_image"):
             fields["properties"][name] = {"type": "string", "format": "binary", "description": PICTURE}
         content["multipart/form-data"] = {"schema": fields}
     return {"requestBody": {"required": True, "content": content}}
@@ -268,7 +268,7 @@ async def _form(request: Any, raw: bytes) -> dict[str, Any]:
         return {"type": "http.request", "body": raw, "more_body": False}
 
     try:
-        form = await Request(request.scope, replay).form(max_files=2, max_fields=32, max_part_size=MAX_BODY_BYTES)
+        form = await Request(request.scope, replay).form(max_files=3, max_fields=32, max_part_size=MAX_BODY_BYTES)
     except (MultiPartException, AssertionError) as exc:  # the parser's words for a malformed form
         raise RequestError(400, f"the multipart body cannot be read: {exc}") from None
     except ImportError:

@@ -18,7 +18,8 @@ def _field(name: str, **limits: object) -> object:
 
 
 class ImageRequest(BaseModel):
-    """POST /: a JSON object, or a multipart form whose files are `image` and `mask`. Fields left
+    """POST /: a JSON object, or a multipart form whose files are `image`, `mask` and
+    `ip_adapter_image`. Fields left
     out take the artifact's first bucket (size, frames) and the server's defaults."""
 
     # strict: "4" and true are not numbers; extra: a misspelt field is an error, not ignored
@@ -37,6 +38,7 @@ class ImageRequest(BaseModel):
     image: str | bytes | None = _field("image")
     mask: str | bytes | None = _field("mask")
     strength: float | None = _field("strength", gt=0, le=1)
+    ip_adapter_image: str | bytes | None = _field("ip_adapter_image")
     lora: str | None = _field("lora")
     lora_scale: float | None = _field("lora_scale", allow_inf_nan=False)
     weights: str | None = _field("weights")

@@ -167,10 +167,10 @@ class ImageServer:
 
     def _generate(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each call's images, or its error; calls of one shape (`BATCHED_BY`) asking one image each,
-        from no image, are made as one pipeline call, each with its prompt and seed."""
+        from no image (nor an image prompt), are made as one pipeline call, each with its prompt and seed."""
         groups: dict[Any, list[int]] = {}
         for i, call in enumerate(calls):
-            batched = call["images"] == 1 and call["image"] is None
+            batched = call["images"] == 1 and call["image"] is None and call["ip_adapter_image"] is None
             key = tuple(call[k] for k in BATCHED_BY) if batched else ("alone", i)
             groups.setdefault(key, []).append(i)
         for key, members in list(groups.items()):  # a batch no compiled variant covers runs one by one
@@ -203,7 +203,8 @@ class ImageServer:
                               height=first["height"], width=first["width"], batch=first["images"],
                               guidance_scale=first["guidance_scale"], negative_prompt=first["negative_prompt"],
                               frames=first["frames"], text=self.defaults["text"], image=first["image"],
-                              mask=first["mask"], strength=first["strength"])
+                              mask=first["mask"], strength=first["strength"],
+                              image_prompt=first["ip_adapter_image"])
         except AotbuildError as exc:  # a call aotbuild or the pipeline's own checks refuse, in their words
             hint = f" ({exc.hint})" if exc.hint else ""
             return {"status": 422, "error": scrubbed(f"{exc.message}{hint}")}

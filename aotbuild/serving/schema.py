@@ -27,6 +27,8 @@ REQUEST_FIELDS = {
     "image": "img2img: the picture to start from (base64 PNG/JPEG/WebP, or a multipart file), resized to the size",
     "mask": "inpainting, with image: where to repaint (white) and keep (black), as image is given",
     "strength": "img2img, inpainting: how much of the image to repaint, above 0 and at most 1",
+    "ip_adapter_image": "the image prompt of an artifact built with an IP-Adapter (base64 PNG/JPEG/WebP, or a "
+                        "multipart file): every call to one takes it, others take none",
     "lora": "a LoRA the server was started with (--lora NAME=...), by its name",
     "lora_scale": "the LoRA's weight (default: its --lora weight, else 1)",
     "weights": "another checkpoint the server was started with (--weights NAME=...), by its name",
@@ -58,7 +60,8 @@ MAX_PROMPT_CHARS = 4096  # tokenizers read the first 77 to 512 tokens of a promp
 FIELD_RULES = {"guidance_scale": "a finite number >= 0", "strength": "a number above 0 and at most 1",
                "lora_scale": "a finite number", "negative_prompt": "a string", "lora": "a string",
                "weights": "a string", "image": "a picture in base64 (PNG, JPEG or WebP)",
-               "mask": "a picture in base64 (PNG, JPEG or WebP)", "model": "a string", "user": "a string"}
+               "mask": "a picture in base64 (PNG, JPEG or WebP)",
+               "ip_adapter_image": "a picture in base64 (PNG, JPEG or WebP)", "model": "a string", "user": "a string"}
 
 
 def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_STEPS,
@@ -109,11 +112,17 @@ def parse_request(body: Any, defaults: dict[str, Any], *, max_steps: int = MAX_S
         raise RequestError(400, "field 'strength' goes with field 'image'")
     if given.image is not None and video:
         raise RequestError(400, "field 'image': this server makes videos from text only")
+    if defaults.get("image_prompt") and given.ip_adapter_image is None:
+        raise RequestError(400, "field 'ip_adapter_image' is required: this artifact is built with an IP-Adapter, "
+                                "whose image prompt every call takes")
+    if given.ip_adapter_image is not None and not defaults.get("image_prompt"):
+        raise RequestError(400, "field 'ip_adapter_image': this artifact is built without an IP-Adapter")
     call.update(guidance_scale=float(call["guidance_scale"]), frames=call["frames"] if video else None,
                 lora_scale=None if given.lora is None else float(adapters[given.lora] if given.lora_scale is None
                                                                   else given.lora_scale),
                 strength=None if given.strength is None else float(given.strength),
-                image=picture_field(call, "image", "RGB"), mask=picture_field(call, "mask", "L"))
+                image=picture_field(call, "image", "RGB"), mask=picture_field(call, "mask", "L"),
+                ip_adapter_image=picture_field(call, "ip_adapter_image", "RGB"))
     if call["output"] == single and call["images"] > 1:
         made = "video" if video else "image"
         raise RequestError(400, f'"output": "{single}" returns one {made}; ask "output": "json" for '
