@@ -305,10 +305,11 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                             f"pose...): give one (--control-image)")
     if control is not None:
         call[control_argument] = control.resize((width, height)) if height and width else control
-    if image_prompt is None and ip_adapter_loaded(pipe):
+    prompted = ip_adapter_loaded(pipe)
+    if image_prompt is None and prompted:
         raise AotbuildError(f"{type(pipe).__name__} has an IP-Adapter loaded, which takes an image prompt in every "
                             f"call: give one (--ip-adapter-image)")
-    if image_prompt is not None and not ip_adapter_loaded(pipe):
+    if image_prompt is not None and not prompted:
         raise AotbuildError(f"{type(pipe).__name__} takes no image prompt: it has no IP-Adapter loaded",
                             hint="build the target with ip_adapter = ... (its artifact loads that adapter)")
     if image_prompt is not None:

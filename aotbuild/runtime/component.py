@@ -331,7 +331,7 @@ class CompiledComponent(StandIn):
 
     # -- IP-Adapters: diffusers' IPAdapterMixin on a UNet built with one (ip_adapter) -----------
 
-    def _ip_adapter(self, asked: str) -> IpAdapterState:
+    def _ip_state(self, asked: str) -> IpAdapterState:
         if self._ip is None:
             raise MissingAttributeError(self.component_name, asked, message=(
                 f"{self.component_name}: this artifact takes no IP-Adapter: its target was built without one"),
@@ -342,13 +342,13 @@ class CompiledComponent(StandIn):
     def _load_ip_adapter_weights(self, state_dicts: Any, low_cpu_mem_usage: bool = True) -> None:
         """What `pipe.load_ip_adapter` asks of the UNet: the adapters, converted by diffusers and
         bound as data from the next call (`ip_adapter.IpAdapterState.load`)."""
-        state = self._ip_adapter("load_ip_adapter")
+        state = self._ip_state("load_ip_adapter")
         with self._lock:
             state.load(state_dicts if isinstance(state_dicts, list) else [state_dicts])
 
     def _load_ip_adapter_loras(self, state_dicts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """The LoRAs an IP-Adapter FaceID carries (`load_ip_adapter` loads them as LoRAs)."""
-        return ip_adapter_loras(self._ip_adapter("load_ip_adapter").shell, state_dicts)
+        return ip_adapter_loras(self._ip_state("load_ip_adapter").shell, state_dicts)
 
     @property
     def ip_adapter(self) -> IpAdapterState | None:
@@ -359,21 +359,21 @@ class CompiledComponent(StandIn):
     def attn_processors(self) -> dict[str, Any]:
         """The UNet's attention processors, as diffusers' IP-Adapter API reads and sets them (their
         scales); the compiled attention is the artifact's."""
-        return self._ip_adapter("attn_processors").shell.attn_processors
+        return self._ip_state("attn_processors").shell.attn_processors
 
     @property
     def down_blocks(self) -> torch.nn.ModuleList:
         """The UNet's blocks on the meta device, which `set_ip_adapter_scale` reads for a per-block scale."""
-        return self._ip_adapter("down_blocks").shell.down_blocks
+        return self._ip_state("down_blocks").shell.down_blocks
 
     @property
     def up_blocks(self) -> torch.nn.ModuleList:
-        return self._ip_adapter("up_blocks").shell.up_blocks
+        return self._ip_state("up_blocks").shell.up_blocks
 
     def set_attn_processor(self, processor: Any) -> None:
         """What `unload_ip_adapter` sets once the adapter is gone: the processors without one. The
         compiled attention is the artifact's: nothing else is taken."""
-        state = self._ip_adapter("set_attn_processor")
+        state = self._ip_state("set_attn_processor")
         given = processor.values() if isinstance(processor, dict) else [processor]
         if state.loaded or any(hasattr(p, KEYS[0]) for p in given):
             raise UnsupportedCallError(
@@ -523,8 +523,7 @@ class CompiledComponent(StandIn):
 
     def _fallback_differs(self) -> str | None:
         """Why the eager module kept for the fallback would not compute with the bound weights."""
-        eager_adapter = self._ip is not None and loaded_form(self._spec.export_module(self._eager[0])) is not None
-        if self._ip is not None and (self._ip.loaded or eager_adapter):
+        if self._ip is not None and (self._ip.loaded or loaded_form(self._spec.export_module(self._eager[0]))):
             return ("the IP-Adapter state is the compiled model's (load_ip_adapter, set_ip_adapter_scale, "
                     "unload_ip_adapter), not the eager module's")
         if self._replaced is not None:

@@ -334,14 +334,20 @@ def resolve_folder(source: str, revision: str | None, base_dir: Path, skip: set[
     return folder
 
 
+def beside_target(source: str, base_dir: Path) -> Path:
+    """A target's path as written: relative to the target's folder (`base_dir`) where something is
+    there, else as given (relative to the working folder, `~` expanded)."""
+    path = Path(source).expanduser()
+    return base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
+
+
 def load_model(source: str, base_dir: Path, dtype: Any, half_files: bool = False) -> Any:
     """One diffusers model from its own folder or Hub model repo (`org/name[@revision]`): a config.json
     and its safetensors, the fp16 variant files for a half-precision target where it has them (a
     target's `controlnet`). Its class is its config's `_class_name`."""
     import diffusers
 
-    path = Path(source).expanduser()
-    path = base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
+    path = beside_target(source, base_dir)
     if not (path / "config.json").is_file():
         if path.exists():
             raise SourceError(f"model source {source!r} is a path but holds no config.json")
@@ -394,8 +400,7 @@ def ip_adapter_arguments(source: str, base_dir: Path) -> dict[str, Any]:
     """A target's `ip_adapter` as `load_ip_adapter` takes it: a weights file in a Hub repo
     (`org/name/subfolder/file.safetensors[@revision]`) or on this machine (its image encoder, if
     the pipeline has none, in the folder's `image_encoder`)."""
-    path = Path(source).expanduser()
-    path = base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
+    path = beside_target(source, base_dir)
     if path.is_file():
         return {"pretrained_model_name_or_path_or_dict": str(path.parent), "subfolder": "", "weight_name": path.name}
     text, _, revision = source.partition("@")
@@ -465,10 +470,11 @@ def load_image_encoder(source: str, base_dir: Path, dtype: Any) -> Any:
     """A CLIP image encoder (`CLIPVisionModelWithProjection`) from a folder or Hub repo (`org/name[@revision]`)."""
     from transformers import CLIPVisionModelWithProjection
 
-    path = Path(source).expanduser()
-    path = base_dir / path if not path.is_absolute() and (base_dir / path).exists() else path
-    name, revision = (str(path), None) if path.exists() else (*source.partition("@")[::2],)
+    path = beside_target(source, base_dir)
+    from .hub import parse_repo
+
+    name, revision = (str(path), None) if path.exists() else parse_repo(source)
     try:
-        return CLIPVisionModelWithProjection.from_pretrained(name, revision=revision or None, torch_dtype=dtype).eval()
+        return CLIPVisionModelWithProjection.from_pretrained(name, revision=revision, torch_dtype=dtype).eval()
     except OSError as exc:
         raise SourceError(f"cannot load the image encoder {source!r}: {exc}") from None
