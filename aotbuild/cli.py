@@ -199,6 +199,8 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
               help="inpainting: repaint --image where this mask is white, keep it where black (resized like --image)")
 @click.option("--control-image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a ControlNet pipeline's control image (edges, depth, pose...), resized to the height and width")
+@click.option("--control-mode", type=click.IntRange(min=0),
+              help="a ControlNet-Union's mode for --control-image (canny, depth...: the number its model card gives)")
 @click.option("--ip-adapter-image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="the image prompt of an artifact built with an IP-Adapter (its target's ip_adapter)")
 @click.option("--output", type=click.Path(path_type=Path), help="save the image (PNG, JPEG, WebP) or the video "
@@ -221,13 +223,15 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 def run(target_name: str | None, artifact: str | None, prompt: str, negative_prompt: str | None, backend: str,
         steps: int, seed: int, guidance_scale: float | None, height: int | None, width: int | None,
         batch: int | None, frames: int | None, images: tuple[Path, ...], strength: float | None,
-        mask: Path | None, control_image: Path | None, ip_adapter_image: Path | None, output: Path | None,
+        mask: Path | None, control_image: Path | None, control_mode: int | None, ip_adapter_image: Path | None,
+        output: Path | None,
         cuda_graphs: bool | None, weights: str | None, loras: tuple[str, ...], variant: str | None,
         dtype: str | None, trust_remote_code: bool, artifacts: Path) -> None:
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext); with --mask too, inpainting; a ControlNet pipeline steered by
-    --control-image; an IP-Adapter's image prompt, --ip-adapter-image."""
+    --control-image (a ControlNet-Union's mode, --control-mode); an IP-Adapter's image prompt,
+    --ip-adapter-image."""
     from .generation.media import check_video_writer, video_fps, write_video
 
     if target_name is not None and artifact is not None:
@@ -307,6 +311,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                    frames=frames or defaults["frames"], text=defaults["text"],
                    mask=_read_picture(mask, "--mask", "L") if mask is not None else None,
                    control=_read_picture(control_image, "--control-image", "RGB") if control_image else None,
+                   control_mode=control_mode,
                    image_prompt=_read_picture(ip_adapter_image, "--ip-adapter-image", "RGB") if ip_adapter_image
                    else None)
     if output:

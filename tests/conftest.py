@@ -80,7 +80,7 @@ PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-in
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",
               "cpu-tiny-wan-i2v", "cpu-tiny-cogvideox", "cpu-tiny-wan", "cpu-tiny-wan-regional",
               "cpu-tiny-sdxl-x86-64-v3", "cpu-tiny-sd15-controlnet", "cpu-tiny-flux-controlnet",
-              "cpu-tiny-flux-ip-adapter"))
+              "cpu-tiny-flux-controlnet-union", "cpu-tiny-flux-ip-adapter"))
 _SESSION: dict[str, Path] = {}  # "artifacts": the session's artifacts folder, "logs": the builders' logs
 PROGRESS_LINE = re.compile(r"^\[\s*([a-z]+)\] (.*)$")
 

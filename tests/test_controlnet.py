@@ -13,6 +13,7 @@ import functools
 
 import diffusers
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -76,7 +77,7 @@ def test_a_targets_controlnet_comes_from_its_own_source(tmp_path):
     from aotbuild.errors import TargetError
 
     target = load_target(TARGETS / "cpu-tiny-sdxl-controlnet.toml")
-    saved = _other_controlnet(eager_pipeline(target).controlnet.config, 5)
+    saved = _other_controlnet(eager_pipeline(target).controlnet, 5)
     saved.save_pretrained(tmp_path / "canny")
     pipe = load_source_pipeline(dataclasses.replace(target, controlnet=str(tmp_path / "canny")),
                                 PIPELINES[target.pipeline], torch.device("cpu"))
@@ -144,9 +145,10 @@ def test_a_lora_on_the_unet_with_a_controlnet(sdxl, tmp_path):
     assert np.abs(got - run(plain, image=seeded_image(64, 64))).max() > 1e-3  # the LoRA changes the image
 
 
-def _other_controlnet(config, seed: int) -> diffusers.ControlNetModel:
+def _other_controlnet(controlnet: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A ControlNet of `controlnet`'s class and architecture, with seeded weights of its own."""
     torch.manual_seed(seed)
-    model = diffusers.ControlNetModel.from_config(config)
+    model = type(controlnet).from_config(controlnet.config)
     for parameter in model.parameters():
         parameter.data.normal_(0.0, 0.05)
     return model
@@ -157,8 +159,8 @@ def test_another_controlnet_and_two_controlnets_run_as_data(sdxl):
     """apply() binds the pipeline's own ControlNet (another checkpoint of the artifact's
     architecture), and each of a MultiControlNetModel's two, with their own scales and windows."""
     target, built, _, _ = sdxl
-    config = eager_pipeline(target).controlnet.config
-    other, second = _other_controlnet(config, 7), _other_controlnet(config, 8)
+    controlnet = eager_pipeline(target).controlnet
+    other, second = _other_controlnet(controlnet, 7), _other_controlnet(controlnet, 8)
 
     def pipeline(controlnet):
         pipe = eager_pipeline(target)
@@ -230,8 +232,8 @@ def test_sd15_controlnet_img2img_and_inpainting_through_from_pipe(sd15, pipeline
 def test_load_pipeline_takes_the_controlnet_to_run(sdxl, tmp_path):
     """load_pipeline(controlnet=...) as diffusers' from_pretrained takes it: one model, or a list."""
     target, built, _, _ = sdxl
-    config = eager_pipeline(target).controlnet.config
-    other, second = _other_controlnet(config, 7), _other_controlnet(config, 8)
+    controlnet = eager_pipeline(target).controlnet
+    other, second = _other_controlnet(controlnet, 7), _other_controlnet(controlnet, 8)
     eager = eager_pipeline(target)
     eager.controlnet = other
     both(aotbuild.load_pipeline(built.folder, controlnet=copy.deepcopy(other)), eager, image=seeded_image(64, 64))
@@ -293,9 +295,59 @@ def test_flux_without_its_controlnet_runs_the_same_transformer(flux):
     _, built, compiled, eager = flux
     same_as_eager(run_flux, *(diffusers.FluxPipeline.from_pipe(p) for p in (compiled, eager)), ATOL)
     assert compiled.transformer.last_variant == "b1_64x64"
-    with pytest.raises(aotbuild.AotbuildError, match=r"controlnet=\[...\]: several FluxControlNetModels at once are "
-                                                     r"not compiled by aotbuild yet"):
-        aotbuild.load_pipeline(built.folder, controlnet=[eager.controlnet, eager.controlnet])
+
+
+@pytest.mark.slow
+def test_two_flux_controlnets_run_as_data(flux):
+    """FluxMultiControlNetModel: each ControlNet compiled, with its own weights, scale and window;
+    the mode it passes every ControlNet (-1 for one without modes, which ignores it) is dropped."""
+    _, built, _, eager = flux
+    other, second = (_other_controlnet(eager.controlnet, seed) for seed in (7, 8))
+    compiled = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(other), copy.deepcopy(second)])
+    assert [type(net) for net in compiled.controlnet.nets] == [CompiledComponent, CompiledComponent]
+    assert isinstance(compiled.controlnet, diffusers.FluxMultiControlNetModel)
+    reference = diffusers.FluxControlNetPipeline.from_pipe(eager, controlnet=[other, second])
+    images = [seeded_image(64, 64), seeded_image(32, 48)]
+    same_as_eager(run_flux, compiled, reference, ATOL, control_image=images,
+                  controlnet_conditioning_scale=[0.4, 0.9], control_guidance_end=[0.5, 1.0])
+
+
+@pytest.fixture(scope="module")
+def union(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-flux-controlnet-union")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [{"control_mode": 0}, {"control_mode": 3, "controlnet_conditioning_scale": 0.6}],
+                         ids=["mode0", "mode3-scale"])
+def test_flux_controlnet_union_calls_match_eager(union, call):
+    """A ControlNet-Union (InstantX's form, `num_mode`) takes the call's control mode as an input of
+    its compiled code: every mode is one model."""
+    _, _, compiled, eager = union
+    image = seeded_image(64, 64)
+    same_as_eager(run_flux, compiled, eager, ATOL, control_image=image, **call)
+    # Another mode makes another image, beyond the compiled-vs-eager tolerance (the mode is one token of
+    # the 513 the ControlNet attends to: ~7e-4 here): a mode frozen into the code would fail the match above.
+    other = {**call, "control_mode": 1}
+    assert np.abs(run_flux(compiled, control_image=image, **call) - run_flux(compiled, control_image=image,
+                                                                             **other)).max() > 3 * ATOL
+
+
+@pytest.mark.slow
+def test_flux_controlnet_union_takes_several_conditions_and_refuses_a_mode_it_lacks(union):
+    """One ControlNet-Union over several control images, each with its mode (diffusers'
+    FluxMultiControlNetModel of one net, called once per image); a mode the model lacks, or none,
+    is refused in the call's terms (eager: an IndexError, a ValueError)."""
+    _, built, compiled, eager = union
+    several = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(eager.controlnet)])
+    reference = diffusers.FluxControlNetPipeline.from_pipe(eager, controlnet=[eager.controlnet])
+    same_as_eager(run_flux, several, reference, ATOL, control_image=[seeded_image(64, 64), seeded_image(48, 48)],
+                  control_mode=[0, 2], controlnet_conditioning_scale=[0.5, 0.8])
+    with pytest.raises(ValueError, match=r"control_mode \[7\]: this ControlNet-Union has modes 0 to 3"):
+        run_flux(compiled, control_image=seeded_image(64, 64), control_mode=7)
+    with pytest.raises(ValueError, match="this ControlNet-Union takes a control mode in every call: control_mode=0 "
+                                         "to 3"):
+        run_flux(compiled, control_image=seeded_image(64, 64))
 
 
 @pytest.mark.slow
@@ -325,3 +377,36 @@ def test_run_bench_and_serve_take_the_control_image(sd15):
     result = CliRunner().invoke(main, ["serve", "--artifact", str(built.folder)])
     assert result.exit_code != 0 and "needs a control image in every call, and aotbuild serve takes none yet" in \
         result.output
+
+
+@pytest.mark.slow
+def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
+    """generate (what `run` and `bench` call) passes a ControlNet-Union its mode, == the pipeline
+    called with it; a mode missing there, given to a ControlNet without modes, or one the union
+    lacks, is refused in --control-mode's terms."""
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+    from aotbuild.generation.backends import generate
+
+    _, built, compiled, eager = union
+    control = seeded_image(64, 64)
+    made = generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, guidance_scale=3.5, control=control,
+                    control_mode=2)
+    want = run_flux(eager, control_image=control, control_mode=2, guidance_scale=3.5)
+    np.testing.assert_allclose(np.asarray(made.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)
+    with pytest.raises(aotbuild.AotbuildError, match=r"ControlNet is a ControlNet-Union: give the control image's "
+                                                     r"mode \(--control-mode 0 to 3"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=control)
+    with pytest.raises(aotbuild.AotbuildError, match="control mode 4: this ControlNet-Union has modes 0 to 3"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=control, control_mode=4)
+    with pytest.raises(aotbuild.AotbuildError, match="FluxControlNetPipeline's ControlNet takes no control mode: it is "
+                                                     "not a ControlNet-Union"):
+        generate(flux[2], PROMPT, steps=2, seed=0, height=64, width=64, control=control, control_mode=0)
+    control.save(tmp_path / "edges.png")
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", PROMPT, "--control-image",
+                                       str(tmp_path / "edges.png"), "--control-mode", "2", "--steps", "2",
+                                       "--height", "64", "--width", "64", "--output", str(tmp_path / "out.png")])
+    assert result.exit_code == 0, result.output
+    assert np.abs(np.asarray(PIL.Image.open(tmp_path / "out.png"), dtype=np.float32) / 255 - want[0]).max() \
+        <= 1 / 255 + ATOL

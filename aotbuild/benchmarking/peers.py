@@ -149,14 +149,14 @@ def reference_call(target: Any, spec: Any) -> tuple[Any, Any, Any]:
     import torch
 
     from ..builder import capture
-    from ..builder.capturing import load_source_pipeline
+    from ..builder.capturing import call_extras, load_source_pipeline
     from ..spec.pipelines import UNGUIDED, pipeline_spec
 
     pipeline = pipeline_spec(target.pipeline)
     pipe = load_source_pipeline(dataclasses.replace(target, dtype="float32"), pipeline, torch.device("cpu"))
     bucket = target.shapes[0]
     if spec.recorded:
-        extras = pipeline.call_extras(bucket.batch, bucket.height, bucket.width, bucket.images)
+        extras = call_extras(pipe, pipeline, target, bucket.batch, bucket.height, bucket.width, bucket.images)
         call = capture.capture_inputs(
             pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
             guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,

@@ -73,7 +73,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from ..generation.backends import generate, ip_adapter_loaded, prepare
+    from ..generation.backends import control_modes, generate, ip_adapter_loaded, prepare
     from ..runtime.sources import random_init_seconds
     from ..spec.pipelines import control_image_argument, requires_image, seeded_image, seeded_images
 
@@ -117,6 +117,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     # A ControlNet pipeline is steered by a seeded control image of the output's size.
     control = seeded_image(bucket.height, bucket.width) if control_image_argument(type(pipe)) else None
+    control_mode = 0 if control is not None and control_modes(pipe) else None  # a ControlNet-Union's first mode
     # An IP-Adapter (the target's, loaded by every case) takes a seeded image prompt.
     image_prompt = seeded_image(bucket.height, bucket.width) if ip_adapter_loaded(pipe) else None
 
@@ -124,6 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
                         width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
                         frames=bucket.frames, image=image, text=bucket.max_sequence_length, control=control,
+                        control_mode=control_mode,
                         image_prompt=image_prompt)
 
     started = since_spawn()

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,8 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             shape = {"batch": point.batch, "height": point.height, "width": point.width,
                      "guidance_scale": target.guidance_scale if point.guided else UNGUIDED, "text": point.text,
                      "prompt_embeds": embeds.get((point.batch, point.guided, point.text)),
-                     "extras": call_extras(spec, target, point),
+                     "extras": call_extras(pipe, spec, target, point.batch, point.height, point.width,
+                                           point.images),
                      "image": point.image, "frames": point.frames}
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
@@ -113,12 +115,18 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     return calls, block_calls, seconds
 
 
-def call_extras(spec: PipelineSpec, target: Target, point: CapturePoint) -> dict[str, Any] | None:
+def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, height: int, width: int,
+                images: Sequence[tuple[int, int]] | None = None) -> dict[str, Any] | None:
     """The arguments a capture's call takes besides the prompt and size (`PipelineSpec.call_extras`),
-    and the image prompt of a target built with an IP-Adapter."""
-    extras = spec.call_extras(point.batch, point.height, point.width, point.images)
+    those its components' configs ask for (`ComponentSpec.capture_arguments`), and the image prompt
+    of a target built with an IP-Adapter."""
+    extras = spec.call_extras(batch, height, width, images)
+    for component in spec.components.values():
+        config = getattr(getattr(pipe, component.attribute, None), "config", None)
+        if component.capture_arguments is not None and config is not None:
+            extras = {**(extras or {}), **component.capture_arguments(config)}
     if target.ip_adapter:
-        extras = {**(extras or {}), "ip_adapter_image": seeded_image(point.height, point.width)}
+        extras = {**(extras or {}), "ip_adapter_image": seeded_image(height, width)}
     return extras
 
 

@@ -230,18 +230,39 @@ def ip_adapter_loaded(pipe: Any) -> bool:
     return hasattr(getattr(denoiser, "encoder_hid_proj", None), "image_projection_layers")
 
 
+def control_modes(pipe: Any) -> int | None:
+    """How many control modes the pipeline's ControlNet-Union has (Flux's `num_mode`); None: its
+    ControlNet, if any, is not a union one."""
+    return dict(getattr(getattr(pipe, "controlnet", None), "config", None) or {}).get("num_mode")
+
+
+def _checked_mode(pipe: Any, mode: int | None) -> int | None:
+    """The call's `control_mode`, given exactly when the ControlNet is a union one, and one it has."""
+    modes = control_modes(pipe)
+    if modes and mode is None:
+        raise AotbuildError(f"{type(pipe).__name__}'s ControlNet is a ControlNet-Union: give the control image's "
+                            f"mode (--control-mode 0 to {modes - 1}, in the order its model card lists them)")
+    if mode is not None and not modes:
+        raise AotbuildError(f"{type(pipe).__name__}'s ControlNet takes no control mode: it is not a ControlNet-Union",
+                            hint="leave out --control-mode")
+    if mode is not None and not 0 <= mode < modes:
+        raise AotbuildError(f"control mode {mode}: this ControlNet-Union has modes 0 to {modes - 1}")
+    return mode
+
+
 def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list[int], height: int | None = None,
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
              frames: int | None = None, text: int | None = None, mask: Any = None,
-             control: Any = None, image_prompt: Any = None) -> Generation:
+             control: Any = None, control_mode: int | None = None, image_prompt: Any = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
     cold start shows) and the total. With `image` (a PIL image; a list of those, edited together
     by an `EDITS_SEVERAL` pipeline), img2img: the pipeline's
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
     width; `strength` as diffusers takes it. With `mask` too (white repaints, black keeps), inpainting:
     the pipeline's inpainting sibling. `control`: a ControlNet pipeline's control image (resized to
-    height x width, as the pipeline would). `image_prompt`: the image an IP-Adapter loaded into the
+    height x width, as the pipeline would); `control_mode`, a ControlNet-Union's mode for it, needed
+    exactly when the ControlNet is one. `image_prompt`: the image an IP-Adapter loaded into the
     pipeline takes (`ip_adapter_image`), needed exactly when one is loaded. `text`: the call's
     max_sequence_length (None: its default).
     Several requests in one call: a list of prompts and a seed each, one image each (`batch` 1);
@@ -305,6 +326,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                             f"pose...): give one (--control-image)")
     if control is not None:
         call[control_argument] = control.resize((width, height)) if height and width else control
+        call["control_mode"] = _checked_mode(pipe, control_mode)
+    elif control_mode is not None:
+        raise AotbuildError("a control mode goes with a control image (--control-image)")
     prompted = ip_adapter_loaded(pipe)
     if image_prompt is None and prompted:
         raise AotbuildError(f"{type(pipe).__name__} has an IP-Adapter loaded, which takes an image prompt in every "

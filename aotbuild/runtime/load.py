@@ -217,14 +217,14 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
 
 def _several_controlnets(module: Any) -> bool:
     """Whether a module is diffusers' model of several ControlNets that aotbuild compiles each of
-    (`MULTI_CONTROLNETS`); Flux's, whose ControlNets each take a mode, is refused."""
+    (`MULTI_CONTROLNETS`); another kind's is refused."""
     if module is None or not hasattr(module, "nets"):
         return False
     import diffusers
 
     if not isinstance(module, tuple(getattr(diffusers, name) for name in MULTI_CONTROLNETS.values())):
         raise AotbuildError(f"{type(module).__name__}: several ControlNets of this kind are not compiled by aotbuild "
-                            f"yet (each takes a mode)", hint="run one ControlNet per call")
+                            f"yet", hint="run one ControlNet per call")
     return True
 
 
@@ -508,8 +508,8 @@ def _controlnet_weights(manifest: dict[str, Any], controlnet: Any) -> torch.nn.M
         return models[0]
     kind = manifest["components"]["controlnet"]["config"]["_class_name"]
     if kind not in MULTI_CONTROLNETS:
-        raise AotbuildError(f"controlnet=[...]: several {kind}s at once are not compiled by aotbuild yet (each takes "
-                            f"a mode)", hint="give one ControlNet")
+        raise AotbuildError(f"controlnet=[...]: several {kind}s at once are not compiled by aotbuild yet",
+                            hint="give one ControlNet")
     return getattr(diffusers, MULTI_CONTROLNETS[kind])(models)
 
 

@@ -128,6 +128,11 @@ class ComponentSpec:
             whose attention the stand-in zeroes through its weights when no adapter is loaded).
         class_checked: the pipeline checks `isinstance(module, <its class>)` (diffusers' ControlNet
             pipelines assert it): the stand-in reports the model's class as its `__class__`.
+        prepare: what the stand-in does to a call's keyword arguments before the compiled code,
+            given the module's config (a Flux ControlNet without modes drops the mode it ignores);
+            None: nothing.
+        capture_arguments: arguments of the pipeline's call a capture passes for this component,
+            given its config (a ControlNet-Union's control mode); None: none.
     """
 
     name: str
@@ -147,6 +152,8 @@ class ComponentSpec:
     finish: Callable[[Mapping[str, Any], Any, dict[str, Any]], Any] | None = None
     zero_when_absent: Mapping[str, str] = dataclasses.field(default_factory=dict)
     class_checked: bool = False
+    prepare: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    capture_arguments: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
     @property
     def per_step(self) -> bool:
@@ -294,6 +301,29 @@ CONTROLNET = ComponentSpec(
     class_checked=True,
 )
 
+def _control_mode(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """FluxControlNetModel reads `controlnet_mode` only with `num_mode` (a ControlNet-Union). One
+    without modes is compiled without it: the mode FluxMultiControlNetModel passes every ControlNet
+    (-1 where the call gives none) is dropped. A union one's mode must be one it has: eager's
+    embedding refuses others, compiled code would read past its table. (Checked where the mode is
+    on the CPU, as the pipeline makes it from the call's int there; a GPU's would cost a sync a
+    step, and its compiled lookup asserts on the device.)"""
+    mode, modes = kwargs.get("controlnet_mode"), config.get("num_mode")
+    if not modes:
+        return kwargs if mode is None else {**kwargs, "controlnet_mode": None}
+    if mode is None:
+        raise ValueError(f"this ControlNet-Union takes a control mode in every call: control_mode=0 to {modes - 1}")
+    if mode.device.type == "cpu" and not bool(((mode >= 0) & (mode < modes)).all()):
+        raise ValueError(f"control_mode {sorted(set(mode.flatten().tolist()))}: this ControlNet-Union has modes 0 to "
+                         f"{modes - 1}")
+    return kwargs
+
+
+def _first_mode(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ControlNet-Union (`num_mode`) is captured at mode 0: the mode is an input of its code."""
+    return {"control_mode": 0} if config.get("num_mode") else {}
+
+
 FLUX_CONTROLNET = dataclasses.replace(
     CONTROLNET,
     call_inputs=_unscaled_samples,
@@ -303,11 +333,13 @@ FLUX_CONTROLNET = dataclasses.replace(
     # None for InstantX's ControlNets (the pipeline then feeds it the control image's latents);
     # XLabs' have a module there, which no stand-in keeps.
     read_attributes=("input_hint_block",),
+    prepare=_control_mode,
+    capture_arguments=_first_mode,
 )
 
-# The model diffusers holds several ControlNets of a class in (a pipeline given a list of them).
-# (Flux's, FluxMultiControlNetModel, passes each ControlNet a mode tensor: not compiled yet.)
-MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel"}
+# The model diffusers holds several ControlNets of a class in (a pipeline given a list of them): each
+# is a compiled one. (Flux's calls one ControlNet-Union once per control image given with it.)
+MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "FluxControlNetModel": "FluxMultiControlNetModel"}
 
 # The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
 # reads them. Every other key (block_out_channels, norm_num_groups, act_fn, ...) shapes the compiled
