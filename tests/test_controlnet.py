@@ -336,8 +336,9 @@ def test_flux_controlnet_union_calls_match_eager(union, call):
 @pytest.mark.slow
 def test_flux_controlnet_union_takes_several_conditions_and_refuses_a_mode_it_lacks(union):
     """One ControlNet-Union over several control images, each with its mode (diffusers'
-    FluxMultiControlNetModel of one net, called once per image); a mode the model lacks, or none,
-    is refused in the call's terms (eager: an IndexError, a ValueError)."""
+    FluxMultiControlNetModel of one net, called once per image), and in the img2img sibling; a mode
+    the model lacks, or none, is refused in the call's terms (eager: an IndexError, a ValueError);
+    a ControlNet without modes is another architecture."""
     _, built, compiled, eager = union
     several = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(eager.controlnet)])
     reference = diffusers.FluxControlNetPipeline.from_pipe(eager, controlnet=[eager.controlnet])
@@ -345,9 +346,31 @@ def test_flux_controlnet_union_takes_several_conditions_and_refuses_a_mode_it_la
                   control_mode=[0, 2], controlnet_conditioning_scale=[0.5, 0.8])
     with pytest.raises(ValueError, match=r"control_mode \[7\]: this ControlNet-Union has modes 0 to 3"):
         run_flux(compiled, control_image=seeded_image(64, 64), control_mode=7)
-    with pytest.raises(ValueError, match="this ControlNet-Union takes a control mode in every call: control_mode=0 "
-                                         "to 3"):
-        run_flux(compiled, control_image=seeded_image(64, 64))
+    image = seeded_image(64, 64)
+    same_as_eager(run_flux, *(diffusers.FluxControlNetImg2ImgPipeline.from_pipe(p) for p in (compiled, eager)), ATOL,
+                  image=image, control_image=seeded_image(48, 48), control_mode=2, strength=0.7)
+    # FluxMultiControlNetModel passes -1 for "no mode"; diffusers takes its images and scales as lists
+    for pipe, call in ((compiled, {"control_image": image}),
+                       (several, {"control_image": [image], "controlnet_conditioning_scale": [1.0]})):
+        with pytest.raises(ValueError, match="this ControlNet-Union takes a control mode in every call: "
+                                             "control_mode=0 to 3"):
+            run_flux(pipe, **call)
+    plain = _other_controlnet(diffusers.FluxControlNetModel.from_config({**eager.controlnet.config, "num_mode": None}),
+                              5)
+    with pytest.raises(WeightsMismatchError, match=r"controlnet: the weights' config differs from the artifact's in "
+                                                   r"'num_mode' \(null in the weights, 4 in the artifact\)"):
+        aotbuild.load_pipeline(built.folder, controlnet=plain)
+
+
+def test_several_controlnets_of_a_kind_aotbuild_does_not_compile_are_refused():
+    from aotbuild.runtime.load import _several_controlnets
+
+    net = diffusers.SD3ControlNetModel(sample_size=8, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
+                                       num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+                                       pooled_projection_dim=16, pos_embed_max_size=8)
+    with pytest.raises(aotbuild.AotbuildError, match="SD3MultiControlNetModel: several ControlNets of this kind are "
+                                                     "not compiled by aotbuild yet"):
+        _several_controlnets(diffusers.SD3MultiControlNetModel([net]))
 
 
 @pytest.mark.slow

@@ -117,7 +117,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     # A ControlNet pipeline is steered by a seeded control image of the output's size.
     control = seeded_image(bucket.height, bucket.width) if control_image_argument(type(pipe)) else None
-    control_mode = 0 if control is not None and control_modes(pipe) else None  # a ControlNet-Union's first mode
+    # A ControlNet-Union's first mode.
+    control_mode = 0 if control is not None and control_modes(pipe) is not None else None
     # An IP-Adapter (the target's, loaded by every case) takes a seeded image prompt.
     image_prompt = seeded_image(bucket.height, bucket.width) if ip_adapter_loaded(pipe) else None
 

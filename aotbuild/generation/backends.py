@@ -231,18 +231,22 @@ def ip_adapter_loaded(pipe: Any) -> bool:
 
 
 def control_modes(pipe: Any) -> int | None:
-    """How many control modes the pipeline's ControlNet-Union has (Flux's `num_mode`); None: its
-    ControlNet, if any, is not a union one."""
-    return dict(getattr(getattr(pipe, "controlnet", None), "config", None) or {}).get("num_mode")
+    """How many control modes the pipeline's ControlNet-Union has (Flux's `num_mode`; several
+    ControlNets: their first's, as diffusers reads them); None: its ControlNet, if any, is not a
+    union one."""
+    controlnet = getattr(pipe, "controlnet", None)
+    controlnet = controlnet.nets[0] if hasattr(controlnet, "nets") else controlnet
+    return dict(getattr(controlnet, "config", None) or {}).get("num_mode")
 
 
 def _checked_mode(pipe: Any, mode: int | None) -> int | None:
-    """The call's `control_mode`, given exactly when the ControlNet is a union one, and one it has."""
+    """The call's `control_mode`, given exactly when the ControlNet is a union one, and one it has
+    (the stand-in checks the mode too, in the library's terms; this says it in the CLI's)."""
     modes = control_modes(pipe)
-    if modes and mode is None:
+    if modes is not None and mode is None:
         raise AotbuildError(f"{type(pipe).__name__}'s ControlNet is a ControlNet-Union: give the control image's "
                             f"mode (--control-mode 0 to {modes - 1}, in the order its model card lists them)")
-    if mode is not None and not modes:
+    if mode is not None and modes is None:
         raise AotbuildError(f"{type(pipe).__name__}'s ControlNet takes no control mode: it is not a ControlNet-Union",
                             hint="leave out --control-mode")
     if mode is not None and not 0 <= mode < modes:

@@ -446,11 +446,11 @@ class CompiledComponent(StandIn):
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         return_dict = kwargs.pop("return_dict", True)
         lora_scale = pop_scale(kwargs, self._leaf_paths)  # without adapters it scales nothing, as in diffusers
-        if self._spec.prepare is not None:
-            kwargs = self._spec.prepare(self.config, kwargs)
         if self._lora is not None:
             self._lora.sync(lora_scale)
         args, kwargs = self._as_traced(args, kwargs)
+        if self._spec.prepare is not None:  # on the call as traced: an argument given by position is named
+            kwargs = self._spec.prepare(self.config, kwargs)
         if self._ip is not None:
             self._ip.sync(kwargs)
         if self._zeros:

@@ -304,24 +304,25 @@ CONTROLNET = ComponentSpec(
 def _control_mode(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """FluxControlNetModel reads `controlnet_mode` only with `num_mode` (a ControlNet-Union). One
     without modes is compiled without it: the mode FluxMultiControlNetModel passes every ControlNet
-    (-1 where the call gives none) is dropped. A union one's mode must be one it has: eager's
-    embedding refuses others, compiled code would read past its table. (Checked where the mode is
-    on the CPU, as the pipeline makes it from the call's int there; a GPU's would cost a sync a
-    step, and its compiled lookup asserts on the device.)"""
+    (-1 where the call gives none) is dropped. A union one's must be a mode it has, said in the
+    call's terms (`control_mode`; eager: an IndexError, compiled code: its bounds assert). Checked
+    where the mode is on the CPU: on a GPU it would cost a sync a step, and the lookup's own device
+    assert refuses it there, as eager's does."""
     mode, modes = kwargs.get("controlnet_mode"), config.get("num_mode")
-    if not modes:
+    if modes is None:
         return kwargs if mode is None else {**kwargs, "controlnet_mode": None}
-    if mode is None:
+    on_cpu = getattr(getattr(mode, "device", None), "type", None) == "cpu"
+    if mode is None or on_cpu and bool((mode == -1).all()):  # -1: FluxMultiControlNetModel's "none given"
         raise ValueError(f"this ControlNet-Union takes a control mode in every call: control_mode=0 to {modes - 1}")
-    if mode.device.type == "cpu" and not bool(((mode >= 0) & (mode < modes)).all()):
-        raise ValueError(f"control_mode {sorted(set(mode.flatten().tolist()))}: this ControlNet-Union has modes 0 to "
-                         f"{modes - 1}")
+    if on_cpu and not bool(((mode >= 0) & (mode < modes)).all()):
+        lacking = sorted({m for m in mode.flatten().tolist() if not 0 <= m < modes})
+        raise ValueError(f"control_mode {lacking}: this ControlNet-Union has modes 0 to {modes - 1}")
     return kwargs
 
 
 def _first_mode(config: Mapping[str, Any]) -> dict[str, Any]:
     """A ControlNet-Union (`num_mode`) is captured at mode 0: the mode is an input of its code."""
-    return {"control_mode": 0} if config.get("num_mode") else {}
+    return {"control_mode": 0} if config.get("num_mode") is not None else {}
 
 
 FLUX_CONTROLNET = dataclasses.replace(
