@@ -74,7 +74,7 @@ PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-in
               "cpu-tiny-sd3-regional", "cpu-tiny-sd15-pndm", "cpu-tiny-pixart-sigma", "cpu-tiny-chroma",
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-qwen-image-edit-plus",
               "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack", "cpu-tiny-sdxl-bf16-prepack",
-              "cpu-tiny-sdxl-controlnet", "cpu-tiny-sdxl-ip-adapter"),
+              "cpu-tiny-sdxl-controlnet", "cpu-tiny-sdxl-ip-adapter", "cpu-tiny-sd3-controlnet"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",

@@ -365,12 +365,9 @@ def test_flux_controlnet_union_takes_several_conditions_and_refuses_a_mode_it_la
 def test_several_controlnets_of_a_kind_aotbuild_does_not_compile_are_refused():
     from aotbuild.runtime.load import _several_controlnets
 
-    net = diffusers.SD3ControlNetModel(sample_size=8, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
-                                       num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
-                                       pooled_projection_dim=16, pos_embed_max_size=8)
-    with pytest.raises(aotbuild.AotbuildError, match="SD3MultiControlNetModel: several ControlNets of this kind are "
-                                                     "not compiled by aotbuild yet"):
-        _several_controlnets(diffusers.SD3MultiControlNetModel([net]))
+    with pytest.raises(aotbuild.AotbuildError, match="QwenImageMultiControlNetModel: several ControlNets of this kind "
+                                                     "are not compiled by aotbuild yet"):
+        _several_controlnets(diffusers.QwenImageMultiControlNetModel([torch.nn.Linear(1, 1)]))
 
 
 @pytest.mark.slow
@@ -433,3 +430,91 @@ def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
     assert result.exit_code == 0, result.output
     assert np.abs(np.asarray(PIL.Image.open(tmp_path / "out.png"), dtype=np.float32) / 255 - want[0]).max() \
         <= 1 / 255 + ATOL
+
+
+def test_a_controlnet_taking_the_transformers_position_embedding_is_refused(tmp_path):
+    """SD3.5 Large's ControlNets (use_pos_embed = false) are handed the transformer's position
+    embedding by the pipeline when it is made: a build of one says so before capturing."""
+    import dataclasses
+    import json
+
+    from aotbuild.builder.capturing import load_source_pipeline
+    from aotbuild.errors import BuildError
+
+    target = load_target(TARGETS / "cpu-tiny-sd3-controlnet.toml")
+    config = json.loads((TARGETS / "configs" / "tiny-sd3-controlnet" / "controlnet" / "config.json").read_text())
+    diffusers.SD3ControlNetModel.from_config({**config, "use_pos_embed": False}).save_pretrained(tmp_path / "cn")
+    with pytest.raises(BuildError, match="the ControlNet takes the transformer's position embedding \\(use_pos_embed "
+                                         "= false: SD3.5 Large's ControlNets\\)"):
+        load_source_pipeline(dataclasses.replace(target, controlnet=str(tmp_path / "cn")), PIPELINES[target.pipeline],
+                             torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-sd3-controlnet")
+
+
+def run_sd3(pipe, **call):
+    """SD3's ControlNet pipeline samples the control image's latents from torch's global generator
+    (diffusers passes it none): seeded here, as a user seeds it for a repeatable image."""
+    torch.manual_seed(0)
+    return run(pipe, **call)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [
+    {}, {"controlnet_conditioning_scale": 0.5}, {"control_guidance_start": 0.4, "control_guidance_end": 0.8},
+    {"guidance_scale": 1.0}, {"num_images_per_prompt": 2}, {"image_size": (40, 48)},
+    {"height": 48, "width": 80, "num_images_per_prompt": 2}, {"height": 96, "width": 32, "guidance_scale": 1.0},
+], ids=["default", "scale", "window", "unguided", "two-images", "resized", "dynamic", "dynamic-unguided"])
+def test_sd3_controlnet_calls_match_eager(sd3, call):
+    """SD3's ControlNet takes the control image's latents, which the compiled VAE encoder makes at
+    twice the images under guidance (one per guidance half) and at the images without, in the
+    bucket and over the dynamic range; the transformer adds its block samples to its blocks' tokens."""
+    _, _, compiled, eager = sd3
+    image = seeded_image(*call.pop("image_size", (64, 64)))
+    same_as_eager(run_sd3, compiled, eager, ATOL, control_image=image, **call)
+    assert isinstance(compiled.controlnet, diffusers.SD3ControlNetModel)
+    variant = "b2_64x64" if call.get("height", 64) == 64 else "dynamic"
+    assert {compiled.controlnet.last_variant, compiled.transformer.last_variant, compiled.vae.encoder.last_variant} \
+        == {variant}
+    without = run_sd3(compiled, control_image=image, controlnet_conditioning_scale=0.0)
+    assert np.abs(run_sd3(compiled, control_image=image) - without).max() > 0.05
+
+
+@pytest.mark.slow
+def test_sd3_without_its_controlnet_and_two_controlnets(sd3):
+    """The plain pipeline through from_pipe runs the same transformer, given zero block samples
+    (tokens at the call's size); its img2img sibling the same VAE encoder at the images' batch; two
+    ControlNets (SD3MultiControlNetModel) are each compiled, with their own weights and scales; one
+    of another architecture is refused naming what differs."""
+    _, built, compiled, eager = sd3
+    same_as_eager(run_sd3, *(diffusers.StableDiffusion3Pipeline.from_pipe(p) for p in (compiled, eager)), ATOL)
+    same_as_eager(run_sd3, *(diffusers.StableDiffusion3Img2ImgPipeline.from_pipe(p) for p in (compiled, eager)), ATOL,
+                  image=seeded_image(64, 64), strength=0.6)
+    other, second = (_other_controlnet(eager.controlnet, seed) for seed in (7, 8))
+    two = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(other), copy.deepcopy(second)])
+    assert [type(net) for net in two.controlnet.nets] == [CompiledComponent, CompiledComponent]
+    reference = diffusers.StableDiffusion3ControlNetPipeline.from_pipe(eager, controlnet=[other, second])
+    same_as_eager(run_sd3, two, reference, ATOL, control_image=[seeded_image(64, 64), seeded_image(32, 48)],
+                  controlnet_conditioning_scale=[0.4, 0.9], control_guidance_end=[0.5, 1.0])
+    wider = diffusers.SD3ControlNetModel.from_config({**eager.controlnet.config, "num_layers": 2})
+    with pytest.raises(WeightsMismatchError, match=r"controlnet: the weights' config differs from the artifact's in "
+                                                   r"'num_layers' \(2 in the weights, 1 in the artifact\)"):
+        aotbuild.load_pipeline(built.folder, controlnet=wider)
+
+
+@pytest.mark.slow
+def test_run_seeds_what_sd3s_controlnet_pipeline_draws_unseeded(sd3):
+    """generate (what `run` and `bench` call) seeds torch's global generator with the call's seed
+    too: SD3's ControlNet pipeline samples the control image's latents from it."""
+    from aotbuild.generation.backends import generate
+
+    _, _, compiled, eager = sd3
+    control = seeded_image(64, 64)
+    made = [generate(compiled, PROMPT, steps=3, seed=0, height=64, width=64, guidance_scale=7.0, control=control)
+            for _ in range(2)]
+    want = run_sd3(eager, control_image=control, guidance_scale=7.0)
+    for generation in made:
+        np.testing.assert_allclose(np.asarray(generation.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)

@@ -208,8 +208,11 @@ def call_arguments(pipe: Any, *, batch: int, height: int, width: int, guidance_s
 
 def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: str) -> Any:
     """The pipeline called with `call_arguments` for `steps` steps, seeded: its images (videos),
-    or its final latents for `output_type="latent"`."""
-    with torch.no_grad(), _quiet_truncation():
+    or its final latents for `output_type="latent"`. torch's global generator is seeded too (and
+    restored after): diffusers draws from it where it passes no generator (SD3's ControlNet
+    pipeline samples its control image's latents so)."""
+    with torch.no_grad(), _quiet_truncation(), torch.random.fork_rng():
+        torch.manual_seed(0)
         try:
             result = pipe(**arguments, num_inference_steps=steps, output_type=output_type,
                           generator=torch.Generator("cpu").manual_seed(0))

@@ -63,7 +63,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     peak is the larger group, not the whole pipeline (full-size Flux in float32: T5-XXL 19 GB,
     the transformer 48 GB)."""
     recorded = [s for s in specs if s.recorded]
-    runs = {p.run for p in points.values() if p.tile_of is None}
+    runs = {p.run for p in points.values() if p.alone is None}
     models = {n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     encoders = [m for n, m in models.items() if n.startswith("text_encoder")]
     others = [m for n, m in models.items() if not n.startswith("text_encoder")]
@@ -89,7 +89,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     for name, point in points.items():
         key = point.run
         calls[name] = {}
-        if point.tile_of is None and recorded:  # capture_inputs records these only
+        if point.alone is None and recorded:  # capture_inputs records these only
             shape = {"batch": point.batch, "height": point.height, "width": point.width,
                      "guidance_scale": target.guidance_scale if point.guided else UNGUIDED, "text": point.text,
                      "prompt_embeds": embeds.get((point.batch, point.guided, point.text)),
@@ -110,7 +110,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             if blocks:
                 block_calls[name] = block_runs[key]
         for s in specs:
-            if (not s.recorded and point.tile_of is None) or point.tile_of == s.name:
+            if (not s.recorded and point.alone is None) or point.alone == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
     return calls, block_calls, seconds
 
@@ -202,6 +202,10 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
                                          dtype=torch.float32, half_files=half)
     if target.controlnet:  # a ControlNet of its own repo, beside a base checkpoint
         components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
+    if "controlnet" in components and dict(components["controlnet"].config).get("use_pos_embed") is False:
+        raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
+                         "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",
+                         hint="build a ControlNet with a position embedding of its own (InstantX's SD3 ControlNets)")
     pipe = sources.assemble_pipeline(spec, folder, components)
     if target.ip_adapter:  # its UNet is compiled with the adapter's layers, and takes any of its form
         sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed, target.image_encoder)

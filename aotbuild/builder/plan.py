@@ -35,13 +35,15 @@ def variant_name(bucket: ShapeBucket) -> str:
 @dataclass(frozen=True)
 class CapturePoint:
     """Where a capture runs the pipeline: images per prompt, pixel size, with guidance or without.
-    A tile point (`tile_of`) is one random call of that VAE part instead, at a tile's size."""
+    A point of one component `alone` is one random call of it instead, at this size: a VAE part's
+    tile, or the VAE encoder at a batch no pipeline run shows it (`role` says which)."""
 
     batch: int
     height: int
     width: int
     guided: bool = True
-    tile_of: str | None = None
+    alone: str | None = None
+    role: str = "tile"
     text: int | None = None  # the call's max_sequence_length (None: the pipeline takes none)
     image: tuple[int, int] | None = None  # the size of the image an editing call takes
     frames: int | None = None  # a video's frame count (None: an image pipeline)
@@ -50,8 +52,8 @@ class CapturePoint:
 
     def __str__(self) -> str:
         size = f"{self.batch}x{self.height}x{self.width}"
-        if self.tile_of:
-            return f"{self.tile_of} tile {size}"
+        if self.alone:
+            return f"{self.alone} {self.role} {size}"
         edit = f" editing {self.image[0]}x{self.image[1]}" if self.image else ""
         edit += f" editing {images_text(self.images)}" if self.images else ""
         frames = f" {self.frames} frames" if self.frames else ""
@@ -118,6 +120,8 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
             if s.part == "encoder" and (bucket.image or encoding):  # the edited images' sizes
                 _plan_encoded(plans[s.name], points, encoding or served, bucket.frames)
                 continue
+            if s.part == "encoder":
+                served = [*_guided_control(spec, points, name, points[name], modes), *served]
             # The text does not reach the VAE decoder: it decodes the output.
             untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None, images=None)
             if s.per_step:
@@ -148,6 +152,8 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
             if s.part == "encoder" and encoding:  # the edited images' sizes, whatever the output's
                 _plan_encoded(plans[s.name], points, encoding, points["dynamic:base"].frames)
                 continue
+            if s.part == "encoder":
+                served = (*served, *_guided_control(spec, points, "dynamic:max", points["dynamic:max"], modes))
             if not s.per_step and _within_a_bucket(s, [points[p] for p in served], plans[s.name]):
                 continue  # a range of text lengths alone: the VAE sees one size
             video = {"frame_stride": frame_stride} if shapes.FRAME_AXIS in ranges else {}
@@ -159,7 +165,7 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
         if s.name in target.tiling:
             ranges = _tile_ranges(s, vae, target.stride, largest)
             for probe, size in shapes.range_points(ranges, ranges["stride"]).items():
-                points[f"tile:{s.name}:{probe}"] = CapturePoint(*size, tile_of=s.name)
+                points[f"tile:{s.name}:{probe}"] = CapturePoint(*size, alone=s.name)
             served = tuple(f"tile:{s.name}:{probe}" for probe in ("base", "min", "max"))
             plans[s.name].append(VariantPlan("tile", "tile", served, ranges=ranges))
     return points, plans
@@ -183,6 +189,18 @@ def _add_resized(pipeline: str, points: dict[str, CapturePoint], names: list[str
             points[f"{name}:image{k}"] = dataclasses.replace(point, resized=size)
             encoding.append(f"{name}:image{k}")
     return encoding
+
+
+def _guided_control(spec: PipelineSpec, points: dict[str, CapturePoint], name: str, point: CapturePoint,
+                    modes: tuple[bool, ...]) -> list[str]:
+    """The VAE encoder's point at twice `point`'s images where the pipeline encodes its control
+    image once per guidance half (`PipelineSpec.encodes_guided_control`: SD3's ControlNet
+    pipeline), so that its model spans those calls as well as an image-to-image call's."""
+    if not (spec.encodes_guided_control and modes[0]):
+        return []
+    points[f"{name}:control"] = dataclasses.replace(point, batch=2 * point.batch, alone="vae_encoder",
+                                                    role="control image per guidance half at")
+    return [f"{name}:control"]
 
 
 def _plan_encoded(plans: list[VariantPlan], points: dict[str, CapturePoint], served: list[str],

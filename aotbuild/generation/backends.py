@@ -362,6 +362,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
         with torch.no_grad():
             generator = ([torch.Generator("cpu").manual_seed(s) for s in seed] if isinstance(seed, list)
                          else torch.Generator("cpu").manual_seed(seed))
+            # diffusers draws from torch's global generator where it passes none (SD3's ControlNet
+            # pipeline samples its control image's latents so): seeded too, for a repeatable image.
+            torch.manual_seed(seed[0] if isinstance(seed, list) else seed)
             result = pipe(prompt=prompt, generator=generator, output_type="pil", **call)
     except ValueError as exc:
         if not raised_by_input_checks(exc):  # not a refusal: a failure, shown as one

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import importlib
 import inspect
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from ..errors import (
     WeightsMismatchError,
 )
 from ..spec.manifest import DTYPES
-from ..spec.pipelines import SIZED, pipeline_spec
+from ..spec.pipelines import SIZED, TOKENS, pipeline_spec
 from ..spec.private_apis import IncompatibleKeys, accept_compiled_class, ip_adapter_loras
 from . import step_cache
 from .checkpoint import QUANTIZED, module_tensors, placed_writes, placement, quant_scheme
@@ -509,13 +510,19 @@ class CompiledComponent(StandIn):
                 continue
             values = []
             for path, shape in leaves.items():
-                if self._spec.zero_when_absent[name] == SIZED:
+                rule = self._spec.zero_when_absent[name]
+                if rule == SIZED:
                     # Each dim as traced, scaled as the sample's scaled: a UNet's residuals follow its latents'
                     # size (its channels stay), Flux's ControlNet samples its image tokens (their width stays).
                     if len(shape) != sample.dim() or len(traced) != sample.dim():
                         return given  # not this model's sample: the call is refused as it is
                     dims = [size * now // then for size, now, then in zip(shape[1:], sample.shape[1:], traced[1:],
                                                                              strict=True)]
+                elif rule == TOKENS:
+                    # SD3's ControlNet's samples: tokens of the latent image, as many as its area makes.
+                    if len(traced) != sample.dim():
+                        return given
+                    dims = [shape[1] * math.prod(sample.shape[2:]) // math.prod(traced[2:]), *shape[2:]]
                 else:
                     dims = shape[1:]
                 values.append((path, sample.new_zeros(sample.shape[0], *dims)))
@@ -541,12 +548,12 @@ class CompiledComponent(StandIn):
         """The call as the compiled code was traced: each argument the traced call passed by
         position or by name, where this call passes it either way; the ones it leaves out taken at
         the eager forward's defaults; an empty dict and None alike where diffusers passes either
-        for "no attention kwargs". Arguments the traced call did not have stay, for the refusal
-        to name them."""
+        for "no attention kwargs", a list and a tuple alike. Arguments the traced call did not
+        have stay, for the refusal to name them."""
         positional, keywords = self._traced
         if len(args) == positional and kwargs.keys() == keywords.keys():
             # The pipeline's own calls: already as traced (binding the signature costs ~30 us a call).
-            return args, {name: _empty_as_traced(value, keywords[name]) for name, value in kwargs.items()}
+            return args, {name: _container_as_traced(value, keywords[name]) for name, value in kwargs.items()}
         signature = self._forward_signature()
         if signature is None:
             return args, kwargs
@@ -557,7 +564,7 @@ class CompiledComponent(StandIn):
         bound.apply_defaults()
         values = bound.arguments
         names = list(signature.parameters)
-        call_kwargs = {name: _empty_as_traced(values[name], spec) for name, spec in keywords.items()}
+        call_kwargs = {name: _container_as_traced(values[name], spec) for name, spec in keywords.items()}
         for name in names[positional:]:
             if name not in call_kwargs and name != "return_dict" and values[name] is not None \
                     and values[name] is not signature.parameters[name].default:
@@ -583,12 +590,16 @@ class CompiledComponent(StandIn):
         return f"{self.component_name}, variants={[v.name for v in self.variants]}"
 
 
-def _empty_as_traced(value: Any, traced: Any) -> Any:
-    """None where the traced call passed None, {} where it passed an empty dict, for either."""
+def _container_as_traced(value: Any, traced: Any) -> Any:
+    """None where the traced call passed None, {} where it passed an empty dict, for either; a
+    list where it passed a list and this call a tuple, and the reverse (diffusers' models take
+    either: SD3's several ControlNets sum their samples into a tuple, one gives a list)."""
     if value is None and traced.type is dict and traced.num_children == 0:
         return {}
     if isinstance(value, dict) and not value and traced.is_leaf():
         return None
+    if type(value) in (list, tuple) and traced.type in (list, tuple) and type(value) is not traced.type:
+        return traced.type(value)
     return value
 
 

@@ -53,7 +53,7 @@ COMPILED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2", *FRAMEWISE_VAES)
 
 # How an input the compiled model takes as zeros is shaped when a call leaves it out
 # (`ComponentSpec.zero_when_absent`): like the sample in every dim, or in its batch only.
-SIZED, BATCHED = "sized", "batched"
+SIZED, TOKENS, BATCHED = "sized", "tokens", "batched"
 
 
 def _same_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -123,9 +123,11 @@ class ComponentSpec:
             ControlNet's conditioning scale and guess mode); None: nothing.
         zero_when_absent: inputs (dotted paths) a call may leave out that the compiled model takes
             as zeros, by how their zeros are shaped: SIZED (at the sample's batch and size, a
-            ControlNet's residuals, which a UNet adds to its skip connections: x + 0 is x) or
-            BATCHED (at the sample's batch, the rest as traced: an IP-Adapter's image embeddings,
-            whose attention the stand-in zeroes through its weights when no adapter is loaded).
+            ControlNet's residuals, which a UNet adds to its skip connections: x + 0 is x), TOKENS
+            (at the sample's batch, as many tokens as its size makes: SD3's ControlNet's block
+            samples, tokens of a latent image) or BATCHED (at the sample's batch, the rest as
+            traced: an IP-Adapter's image embeddings, whose attention the stand-in zeroes through
+            its weights when no adapter is loaded).
         class_checked: the pipeline checks `isinstance(module, <its class>)` (diffusers' ControlNet
             pipelines assert it): the stand-in reports the model's class as its `__class__`.
         prepare: what the stand-in does to a call's keyword arguments before the compiled code,
@@ -192,6 +194,9 @@ class PipelineSpec:
     # The call edits an image whose tokens join the denoiser's sequence (Flux Kontext): a bucket's
     # `image` size is a shape, and the capture passes such an image unresized.
     edits: bool = False
+    # The VAE encoder also encodes the control image, once per guidance half (SD3's ControlNet
+    # pipeline): its model spans twice the images as well.
+    encodes_guided_control: bool = False
     # The call makes videos: it takes `num_frames` (every curated pipeline makes images; a derived
     # spec reads it from the class, as a test does for the curated ones).
     makes_video: bool = False
@@ -245,8 +250,9 @@ TRANSFORMER = ComponentSpec(
     call_inputs=_forward_without_return_dict,
     output_class="diffusers.models.modeling_outputs.Transformer2DModelOutput",
     denoiser=True,
-    # Flux's ControlNet's samples, and its IP-Adapter's image embeddings
+    # Flux's ControlNet's samples, SD3's, and Flux's IP-Adapter's image embeddings
     zero_when_absent={"controlnet_block_samples": SIZED, "controlnet_single_block_samples": SIZED,
+                      "block_controlnet_hidden_states": TOKENS,
                       "joint_attention_kwargs.ip_adapter_image_embeds": BATCHED},
 )
 
@@ -259,7 +265,8 @@ def _unscaled_residuals(args: tuple, kwargs: dict) -> CallInputs:
 
 
 def _unscaled_samples(args: tuple, kwargs: dict) -> CallInputs:
-    """Flux's ControlNet at conditioning_scale 1 (it has no guess mode): `_unscaled_residuals`."""
+    """Flux's and SD3's ControlNets at conditioning_scale 1 (they have no guess mode):
+    `_unscaled_residuals`."""
     return tuple(args), {**kwargs, "conditioning_scale": 1.0, "return_dict": False}
 
 
@@ -270,6 +277,12 @@ def _scaled_samples(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, A
     if scale == 1.0:  # x * 1 is x
         return tuple(None if samples is None else list(samples) for samples in outputs)
     return tuple(None if samples is None else [sample * scale for sample in samples] for samples in outputs)
+
+
+def _scaled_blocks(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
+    """SD3ControlNetModel.forward's scaling (its step 6), on samples made at scale 1."""
+    scale = kwargs.get("conditioning_scale", 1.0)
+    return ([sample * scale for sample in outputs[0]],)
 
 
 def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
@@ -338,9 +351,18 @@ FLUX_CONTROLNET = dataclasses.replace(
     capture_arguments=_first_mode,
 )
 
+SD3_CONTROLNET = dataclasses.replace(
+    CONTROLNET,
+    call_inputs=_unscaled_samples,
+    output_class="diffusers.models.controlnets.controlnet_sd3.SD3ControlNetOutput",
+    output_fields=("controlnet_block_samples",),
+    finish=_scaled_blocks,
+)
+
 # The model diffusers holds several ControlNets of a class in (a pipeline given a list of them): each
 # is a compiled one. (Flux's calls one ControlNet-Union once per control image given with it.)
-MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "FluxControlNetModel": "FluxMultiControlNetModel"}
+MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "FluxControlNetModel": "FluxMultiControlNetModel",
+                     "SD3ControlNetModel": "SD3MultiControlNetModel"}
 
 # The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
 # reads them. Every other key (block_out_channels, norm_num_groups, act_fn, ...) shapes the compiled
@@ -508,18 +530,25 @@ for _base, _family in (("StableDiffusionXLPipeline", "StableDiffusionXLControlNe
             components={**PIPELINES[_base].components, "controlnet": CONTROLNET})
 
 
-def _flux_control_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+def _control_image_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     return {"control_image": seeded_image(height, width)}
 
 
 # Flux's ControlNet pipelines: the ControlNet takes the control image's latents (the VAE encodes it:
 # `vae_encoder`), and the transformer its samples. Their siblings take SD's siblings' arguments.
-for _suffix, _extras in (("", _flux_control_extras), ("Img2Img", _control_img2img_extras),
+for _suffix, _extras in (("", _control_image_extras), ("Img2Img", _control_img2img_extras),
                          ("Inpaint", _control_inpaint_extras)):
     _class = f"FluxControlNet{_suffix}Pipeline"
     PIPELINES[_class] = dataclasses.replace(
         PIPELINES["FluxPipeline"], class_name=_class, capture_extras=_extras,
         components={**PIPELINES["FluxPipeline"].components, "controlnet": FLUX_CONTROLNET})
+
+# SD3's ControlNet pipeline: as Flux's, the ControlNet takes the control image's latents; the
+# transformer adds its block samples to its blocks' tokens.
+PIPELINES["StableDiffusion3ControlNetPipeline"] = dataclasses.replace(
+    PIPELINES["StableDiffusion3Pipeline"], class_name="StableDiffusion3ControlNetPipeline",
+    capture_extras=_control_image_extras, encodes_guided_control=True,
+    components={**PIPELINES["StableDiffusion3Pipeline"].components, "controlnet": SD3_CONTROLNET})
 
 # Flux Kontext: FluxPipeline's components and text encoders; an edited image's latents are packed
 # into tokens after the generated ones (so a bucket names the image's size too), and its VAE
