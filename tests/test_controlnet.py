@@ -518,3 +518,55 @@ def test_run_seeds_what_sd3s_controlnet_pipeline_draws_unseeded(sd3):
     want = run_sd3(eager, control_image=control, guidance_scale=7.0)
     for generation in made:
         np.testing.assert_allclose(np.asarray(generation.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def sdxl_union(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-sdxl-controlnet-union")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [
+    {"control_mode": 0}, {"control_mode": 3, "controlnet_conditioning_scale": 0.5},
+    {"control_mode": [2], "control_guidance_start": 0.4}, {"control_mode": 1, "guidance_scale": 1.0},
+    {"control_mode": 1, "guess_mode": True, "guidance_scale": 1.0},  # (with guidance diffusers' own call fails)
+], ids=["mode0", "mode3-scale", "window", "unguided", "guess"])
+def test_sdxl_controlnet_union_calls_match_eager(sdxl_union, call):
+    """SDXL's ControlNet-Union (ControlNetUnionModel) with one control image: its control type's
+    index is an input of the compiled code (every mode one model), scaled after as eager's."""
+    _, _, compiled, eager = sdxl_union
+    image = seeded_image(64, 64)
+    same_as_eager(run, compiled, eager, ATOL, control_image=image, **call)
+    assert isinstance(compiled.controlnet, diffusers.ControlNetUnionModel)
+    other = {**call, "control_mode": 2 if call["control_mode"] in (0, 3, 1) else 0}
+    assert np.abs(run(compiled, control_image=image, **call) - run(compiled, control_image=image, **other)).max() \
+        > 3 * ATOL
+
+
+@pytest.mark.slow
+def test_sdxl_controlnet_union_as_data_and_its_refusals(sdxl_union):
+    """Another union of the architecture, and two in a MultiControlNetUnionModel (one image each),
+    run as data; two control images for one union (weighed inside the model) are refused in the
+    call's terms; the plain pipeline runs the UNet without residuals."""
+    _, built, compiled, eager = sdxl_union
+    other, second = (_other_controlnet(eager.controlnet, seed) for seed in (7, 8))
+    one = aotbuild.load_pipeline(built.folder, controlnet=copy.deepcopy(other))
+    reference = diffusers.StableDiffusionXLControlNetUnionPipeline.from_pipe(eager, controlnet=other)
+    same_as_eager(run, one, reference, ATOL, control_image=seeded_image(64, 64), control_mode=2)
+    two = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(other), copy.deepcopy(second)])
+    assert isinstance(two.controlnet, diffusers.models.controlnets.MultiControlNetUnionModel)
+    reference = diffusers.StableDiffusionXLControlNetUnionPipeline.from_pipe(eager, controlnet=[other, second])
+    same_as_eager(run, two, reference, ATOL, control_image=[seeded_image(64, 64), seeded_image(48, 48)],
+                  control_mode=[1, 3], controlnet_conditioning_scale=[0.6, 0.9])
+    with pytest.raises(ValueError, match="this ControlNet-Union is compiled for one control image per call \\(with its "
+                                         "control_mode\\); this call gives 2"):
+        run(compiled, control_image=[seeded_image(64, 64), seeded_image(64, 64)], control_mode=[0, 2])
+    same_as_eager(run, *(diffusers.StableDiffusionXLPipeline.from_pipe(p) for p in (compiled, eager)), ATOL)
+    from aotbuild.generation.backends import generate  # what `run --control-mode` calls
+
+    made = generate(compiled, PROMPT, steps=3, seed=0, height=64, width=64, guidance_scale=7.0,
+                    control=seeded_image(64, 64), control_mode=3)
+    want = run(eager, control_image=seeded_image(64, 64), control_mode=3, guidance_scale=7.0)
+    np.testing.assert_allclose(np.asarray(made.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)
+    with pytest.raises(aotbuild.AotbuildError, match="control mode 4: this ControlNet-Union has modes 0 to 3"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=seeded_image(64, 64), control_mode=4)

@@ -220,9 +220,9 @@ def _several_controlnets(module: Any) -> bool:
     (`MULTI_CONTROLNETS`); another kind's is refused."""
     if module is None or not hasattr(module, "nets"):
         return False
-    import diffusers
+    from diffusers.models import controlnets  # MultiControlNetUnionModel is not at diffusers' top level
 
-    if not isinstance(module, tuple(getattr(diffusers, name) for name in MULTI_CONTROLNETS.values())):
+    if not isinstance(module, tuple(getattr(controlnets, name) for name in MULTI_CONTROLNETS.values())):
         raise AotbuildError(f"{type(module).__name__}: several ControlNets of this kind are not compiled by aotbuild "
                             f"yet", hint="run one ControlNet per call")
     return True
@@ -495,7 +495,7 @@ def load_built_ip_adapter(pipe: Any, target: dict[str, Any], base_dir: Path) -> 
 def _controlnet_weights(manifest: dict[str, Any], controlnet: Any) -> torch.nn.Module:
     """`load_pipeline`'s `controlnet`: the module whose weights the compiled ControlNet binds (a
     list: a MultiControlNetModel of them)."""
-    import diffusers
+    from diffusers.models import controlnets
 
     if "controlnet" not in manifest["components"]:
         raise AotbuildError(f"controlnet=: this artifact ({manifest['target']['pipeline']}) compiles no ControlNet",
@@ -510,7 +510,7 @@ def _controlnet_weights(manifest: dict[str, Any], controlnet: Any) -> torch.nn.M
     if kind not in MULTI_CONTROLNETS:
         raise AotbuildError(f"controlnet=[...]: several {kind}s at once are not compiled by aotbuild yet",
                             hint="give one ControlNet")
-    return getattr(diffusers, MULTI_CONTROLNETS[kind])(models)
+    return getattr(controlnets, MULTI_CONTROLNETS[kind])(models)
 
 
 def check_checkpoint(manifest: dict[str, Any], folder: Path, named: str | None = None,

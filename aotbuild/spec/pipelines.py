@@ -292,6 +292,7 @@ def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str,
     import torch
 
     scale, guess_mode = kwargs.get("conditioning_scale", 1.0), kwargs.get("guess_mode", False)
+    scale = scale[0] if isinstance(scale, list) else scale  # a ControlNet-Union's, of its one condition
     down, mid = outputs
     if scale == 1.0 and not guess_mode:  # x * 1 is x: the copies eager makes change no value
         return list(down), mid
@@ -351,6 +352,32 @@ FLUX_CONTROLNET = dataclasses.replace(
     capture_arguments=_first_mode,
 )
 
+def _union_unscaled(args: tuple, kwargs: dict) -> CallInputs:
+    """SDXL's ControlNet-Union at conditioning_scale 1 and guess mode off (`_unscaled_residuals`),
+    its control types' indices an input of its code, so every control mode is one model: a tensor
+    of one row per condition, not the Python ints diffusers passes (which export would freeze into
+    the code). A row is a 1-element tensor, which `task_embedding[row]` indexes as a tensor (a 0-d
+    one would be read back as a Python int, a host sync export cannot keep)."""
+    import torch
+
+    sample = args[0] if args else kwargs["sample"]
+    index = torch.tensor([[i] for i in kwargs["control_type_idx"]], dtype=torch.long, device=sample.device)
+    return _unscaled_residuals(args, {**kwargs, "control_type_idx": index})
+
+
+def _one_condition(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """SDXL's ControlNet-Union is compiled for one control image per call (with its mode); several
+    are weighed by their scales inside the model, which its code does not take. With one, diffusers'
+    two paths (one ControlNet, or one of a MultiControlNetUnionModel: `from_multi`) compute alike."""
+    images = kwargs.get("controlnet_cond") or []
+    if len(images) != 1:
+        raise ValueError(f"this ControlNet-Union is compiled for one control image per call (with its control_mode); "
+                         f"this call gives {len(images)}")
+    return {name: value for name, value in kwargs.items() if name != "from_multi"}  # as traced: its default
+
+
+UNION_CONTROLNET = dataclasses.replace(CONTROLNET, call_inputs=_union_unscaled, prepare=_one_condition)
+
 SD3_CONTROLNET = dataclasses.replace(
     CONTROLNET,
     call_inputs=_unscaled_samples,
@@ -361,8 +388,8 @@ SD3_CONTROLNET = dataclasses.replace(
 
 # The model diffusers holds several ControlNets of a class in (a pipeline given a list of them): each
 # is a compiled one. (Flux's calls one ControlNet-Union once per control image given with it.)
-MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "FluxControlNetModel": "FluxMultiControlNetModel",
-                     "SD3ControlNetModel": "SD3MultiControlNetModel"}
+MULTI_CONTROLNETS = {"ControlNetModel": "MultiControlNetModel", "ControlNetUnionModel": "MultiControlNetUnionModel",
+                     "FluxControlNetModel": "FluxMultiControlNetModel", "SD3ControlNetModel": "SD3MultiControlNetModel"}
 
 # The config keys of the VAEs aotbuild compiles (COMPILED_VAES) that no compiled code reads, and who
 # reads them. Every other key (block_out_channels, norm_num_groups, act_fn, ...) shapes the compiled
@@ -532,6 +559,25 @@ for _base, _family in (("StableDiffusionXLPipeline", "StableDiffusionXLControlNe
 
 def _control_image_extras(batch: int, height: int, width: int) -> dict[str, Any]:
     return {"control_image": seeded_image(height, width)}
+
+
+def _with_control_mode(extras: Callable[[int, int, int], dict[str, Any]]) -> Callable[[int, int, int], dict[str, Any]]:
+    """A ControlNet-Union pipeline's capture extras: the control image's mode too, 0 (an input of
+    the code: any mode is served)."""
+    def call(batch: int, height: int, width: int) -> dict[str, Any]:
+        return {**extras(batch, height, width), "control_mode": [0]}
+
+    return call
+
+
+# SDXL's ControlNet-Union pipelines: SDXL's ControlNet pipelines whose ControlNet takes control
+# images with their modes (one, compiled: `_one_condition`).
+for _suffix, _extras in (("", _control_image_extras), ("Img2Img", _control_img2img_extras),
+                         ("Inpaint", _control_inpaint_extras)):
+    _class = f"StableDiffusionXLControlNetUnion{_suffix}Pipeline"
+    PIPELINES[_class] = dataclasses.replace(
+        PIPELINES["StableDiffusionXLPipeline"], class_name=_class, capture_extras=_with_control_mode(_extras),
+        components={**PIPELINES["StableDiffusionXLPipeline"].components, "controlnet": UNION_CONTROLNET})
 
 
 # Flux's ControlNet pipelines: the ControlNet takes the control image's latents (the VAE encodes it:
