@@ -411,3 +411,30 @@ def test_an_edited_images_encoder_is_exported_at_its_largest_call():
     for plan in encoders.values():
         assert points[plan.points[0]].batch == plan.bucket.batch
         assert {points[p].encoded for p in plan.points} == {(plan.bucket.height, plan.bucket.width)}
+
+
+@pytest.mark.parametrize("guidance, dynamic_batch, doubled", [
+    ("both", [1, 2], True), ("guided", [1, 1], True), ("unguided", [1, 2], False),
+], ids=["both", "fixed-batch", "unguided"])
+def test_sd3_controlnets_vae_encoder_spans_the_control_image_per_guidance_half(guidance, dynamic_batch, doubled):
+    """SD3's ControlNet pipeline encodes its control image once per guidance half: its VAE encoder's
+    bucket and dynamic models span twice the images (the bucket exported there; a fixed batch's
+    twice its batch probe), besides the images an img2img call encodes; without guidance, not."""
+    from aotbuild.builder.plan import plan_target
+    from aotbuild.spec.pipelines import pipeline_spec
+
+    target = load_target(TARGETS / "cpu-tiny-sd3-controlnet.toml")
+    target = dataclasses.replace(target, guidance=guidance, dynamic={**target.dynamic, "batch": dynamic_batch})
+    spec = pipeline_spec(target.pipeline)
+    points, plans = plan_target(target, spec, [spec.component(n) for n in target.components], None, 1)
+    bucket, dynamic = plans["vae_encoder"]
+    batches = sorted(points[p].batch for p in bucket.points)
+    assert batches == ([1, 2, 4] if doubled else [1, 2])
+    assert points[bucket.points[0]].batch == max(batches)  # the export point
+    control = [p for p in dynamic.points if p.endswith(":control")]
+    assert control == ([f"dynamic:{'base' if dynamic_batch[0] == dynamic_batch[1] else 'max'}:control"] if doubled
+                       else [])
+    if doubled:
+        assert points[control[0]].batch == 2 * dynamic_batch[1] and points[control[0]].alone == "vae_encoder"
+    assert not any(p.endswith(":control") for name in ("transformer", "controlnet", "vae_decoder")
+                   for plan in plans[name] for p in plan.points)

@@ -211,7 +211,9 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
     or its final latents for `output_type="latent"`. torch's global generator is seeded too (and
     restored after): diffusers draws from it where it passes no generator (SD3's ControlNet
     pipeline samples its control image's latents so)."""
-    with torch.no_grad(), _quiet_truncation(), torch.random.fork_rng():
+    device = getattr(pipe, "device", torch.device("cpu"))
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.no_grad(), _quiet_truncation(), torch.random.fork_rng(devices=cuda):
         torch.manual_seed(0)
         try:
             result = pipe(**arguments, num_inference_steps=steps, output_type=output_type,

@@ -61,10 +61,13 @@ def variant_dims(component: str, plan: VariantPlan, reference: dict,
     corners = {probe: at(probe) for probe in ("min", "max")}
     sizes = {probe: (points[f"{prefix}:{probe}"].batch, points[f"{prefix}:{probe}"].height,
                      points[f"{prefix}:{probe}"].width, points[f"{prefix}:{probe}"].frames) for probe in probes}
-    if f"{prefix}:base:unguided" in plan.points:  # a fixed batch of images, moved by guidance: in call batches
-        probes["batch"] = at("base:unguided")
+    # A fixed batch of images that guidance moves (a denoiser's), or the control image's encoding
+    # per guidance half (SD3's ControlNet pipeline's VAE encoder): its batch probe, in call batches.
+    twin = next((t for t in ("base:unguided", "base:control") if f"{prefix}:{t}" in plan.points), None)
+    if twin is not None:
+        probes["batch"] = at(twin)
         sizes = {probe: (batches[0], *size[1:]) for probe, size in sizes.items()}
-        sizes["batch"] = (batches[plan.points.index(f"{prefix}:base:unguided")], *sizes["base"][1:])
+        sizes["batch"] = (batches[plan.points.index(f"{prefix}:{twin}")], *sizes["base"][1:])
     dims = shapes.classify(probes, corners, sizes, plan.ranges["stride"])
     if TEXT in plan.ranges:
         texts = {probe: points[f"{prefix}:{probe}"].text for probe in (*probes, *corners)}

@@ -120,15 +120,14 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
             if s.part == "encoder" and (bucket.image or encoding):  # the edited images' sizes
                 _plan_encoded(plans[s.name], points, encoding or served, bucket.frames)
                 continue
-            if s.part == "encoder":
-                served = [*_guided_control(spec, points, name, points[name], modes), *served]
             # The text does not reach the VAE decoder: it decodes the output.
             untexted = dataclasses.replace(bucket, max_sequence_length=None, image=None, images=None)
             if s.per_step:
                 plans[s.name].append(VariantPlan(name, "bucket", tuple(served), bucket=bucket))
             elif all(plan.bucket != untexted for plan in plans[s.name]):
                 named = variant_name(untexted) if bucket.image or points[name].resized else name
-                plans[s.name].append(VariantPlan(named, "bucket", tuple(served), bucket=untexted))
+                control = _guided_control(spec, s, points, name, modes)  # the export point, if any
+                plans[s.name].append(VariantPlan(named, "bucket", (*control, *served), bucket=untexted))
     if target.dynamic:
         ranges = {**target.dynamic, **({TEXT: target.dynamic.get(TEXT, [text, text])} if text else {})}
         axes = shapes.axes_of(ranges)
@@ -152,10 +151,11 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
             if s.part == "encoder" and encoding:  # the edited images' sizes, whatever the output's
                 _plan_encoded(plans[s.name], points, encoding, points["dynamic:base"].frames)
                 continue
-            if s.part == "encoder":
-                served = (*served, *_guided_control(spec, points, "dynamic:max", points["dynamic:max"], modes))
             if not s.per_step and _within_a_bucket(s, [points[p] for p in served], plans[s.name]):
                 continue  # a range of text lengths alone: the VAE sees one size
+            # Twice the largest batch; a fixed batch's twice is its batch probe (as guidance's is a denoiser's).
+            fixed = ranges["batch"][0] == ranges["batch"][1]
+            served = (*served, *_guided_control(spec, s, points, "dynamic:base" if fixed else "dynamic:max", modes))
             video = {"frame_stride": frame_stride} if shapes.FRAME_AXIS in ranges else {}
             plans[s.name].append(VariantPlan("dynamic", "dynamic", served,
                                              ranges={**reached, "stride": target.stride, **video},
@@ -163,7 +163,7 @@ def plan_target(target: Target, spec: PipelineSpec, specs: list[ComponentSpec], 
     largest = max([b.batch for b in target.shapes] + ([target.dynamic["batch"][1]] if target.dynamic else []))
     for s in specs:
         if s.name in target.tiling:
-            ranges = _tile_ranges(s, vae, target.stride, largest)
+            ranges = _tile_ranges(s, vae, target.stride, largest * _encoded_per_image(spec, s, modes))
             for probe, size in shapes.range_points(ranges, ranges["stride"]).items():
                 points[f"tile:{s.name}:{probe}"] = CapturePoint(*size, alone=s.name)
             served = tuple(f"tile:{s.name}:{probe}" for probe in ("base", "min", "max"))
@@ -191,15 +191,23 @@ def _add_resized(pipeline: str, points: dict[str, CapturePoint], names: list[str
     return encoding
 
 
-def _guided_control(spec: PipelineSpec, points: dict[str, CapturePoint], name: str, point: CapturePoint,
+def _encoded_per_image(spec: PipelineSpec, component: ComponentSpec, modes: tuple[bool, ...]) -> int:
+    """Images a VAE part sees per image of the call: 2 for the VAE encoder of a pipeline that
+    encodes its control image once per guidance half (`PipelineSpec.encodes_guided_control`: SD3's
+    ControlNet pipeline) when it is captured with guidance, else 1."""
+    return 2 if component.part == "encoder" and spec.encodes_guided_control and modes[0] else 1
+
+
+def _guided_control(spec: PipelineSpec, component: ComponentSpec, points: dict[str, CapturePoint], name: str,
                     modes: tuple[bool, ...]) -> list[str]:
-    """The VAE encoder's point at twice `point`'s images where the pipeline encodes its control
-    image once per guidance half (`PipelineSpec.encodes_guided_control`: SD3's ControlNet
-    pipeline), so that its model spans those calls as well as an image-to-image call's."""
-    if not (spec.encodes_guided_control and modes[0]):
+    """The VAE encoder's point at `_encoded_per_image` times `name`'s images, where that is more
+    than 1, so that its model spans the control image's encoding as well as an image-to-image call's
+    (`<name>:control`)."""
+    per_image = _encoded_per_image(spec, component, modes)
+    if per_image == 1:
         return []
-    points[f"{name}:control"] = dataclasses.replace(point, batch=2 * point.batch, alone="vae_encoder",
-                                                    role="control image per guidance half at")
+    points[f"{name}:control"] = dataclasses.replace(points[name], batch=per_image * points[name].batch,
+                                                    alone=component.name, role="control image per guidance half")
     return [f"{name}:control"]
 
 

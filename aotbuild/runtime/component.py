@@ -495,9 +495,10 @@ class CompiledComponent(StandIn):
     def _zeros_given(self, args: tuple, kwargs: dict) -> dict:
         """The call with zeros for each `zero_when_absent` input it leaves out (a UNet compiled with
         a ControlNet's residuals, called with no ControlNet; one compiled with an IP-Adapter, called
-        with no image): shaped as traced, at the sample's batch (and, `SIZED`, its size), in its
-        dtype, on its device; a list where the traced call had several (diffusers' ControlNet
-        pipelines pass a list). The caller's dicts are not changed (a pipeline reuses them)."""
+        with no image): shaped as traced, at the sample's batch (and, `SIZED`, its size; `TOKENS`,
+        as many tokens as its area makes), in its dtype, on its device; a list where the traced
+        call had several (diffusers' ControlNet pipelines pass a list). The caller's dicts are not
+        changed (a pipeline reuses them)."""
         first = self._zeros_sample["path"]  # the traced call's first input: `args[0]`, or its name
         sample = (args[0] if args else None) if first == "args[0]" else kwargs.get(first)
         if not isinstance(sample, torch.Tensor):

@@ -115,7 +115,8 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
             if head not in heads:  # a whole argument the traced call did not have (a list: its first item)
                 return Refusal(f"{head!r} is not an input of the compiled {component}{_feature(head)}", False)
             if value is not None:
-                return Refusal(f"{_input_name(path)} is not an input of the compiled {component}{_feature(path)}",
+                return Refusal(_samples_differ(component, head, given, expected) or
+                               f"{_input_name(path)} is not an input of the compiled {component}{_feature(path)}",
                                False)
             continue
         shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
@@ -134,7 +135,8 @@ def unsupported_call(component: str, variants: list[CompiledVariant], args: tupl
     if missing and missing[0].split(".")[0] in SIZE_CONSTANTS:  # fewer images than compiled
         return Refusal(_sizes_not_compiled(component, missing[0].split(".")[0], given, expected, variants), True)
     if missing:
-        return Refusal(f"the compiled {component} takes {_input_name(missing[0])}, which this call does not pass",
+        return Refusal(_samples_differ(component, missing[0].split(".")[0], given, expected) or
+                       f"the compiled {component} takes {_input_name(missing[0])}, which this call does not pass",
                        False)
     shapes = ", ".join(f"{path} {list(x.shape)}" for path, x in given.items() if isinstance(x, torch.Tensor))
     covered = "; ".join(variant_coverage(v.entry) for v in variants)
@@ -279,6 +281,20 @@ def _symbol_meaning(dim: dict[str, Any], symbol: str) -> str | None:
     if dim["axis"] == TEXT and k == 1:
         return "the text length"
     return None
+
+
+def _samples_differ(component: str, head: str, given: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """Why a call's ControlNet residuals do not fit: another count than compiled (a ControlNet of
+    another depth, put into the pipeline past the checks `load_pipeline` and `apply` make)."""
+    if FEATURE_INPUTS.get(head) != "a ControlNet":
+        return None
+    count = {name: sum(1 for path in paths if path.split(".")[0] == head) for name, paths in
+             (("given", given), ("compiled", expected))}
+    if not count["given"] or not count["compiled"] or count["given"] == count["compiled"]:
+        return None
+    return (f"the ControlNet gives {count['given']} {head} in this call, the compiled {component} takes "
+            f"{count['compiled']}: a ControlNet of another architecture than this artifact's (load it with "
+            f"load_pipeline(artifact, controlnet=...) to see what differs; build a target with it to run it)")
 
 
 def _input_name(path: str) -> str:

@@ -52,7 +52,8 @@ COMPILED_VAES = ("AutoencoderKL", "AutoencoderKLFlux2", *FRAMEWISE_VAES)
 
 
 # How an input the compiled model takes as zeros is shaped when a call leaves it out
-# (`ComponentSpec.zero_when_absent`): like the sample in every dim, or in its batch only.
+# (`ComponentSpec.zero_when_absent`): like the sample in every dim, as tokens of the sample's area,
+# or like it in its batch only.
 SIZED, TOKENS, BATCHED = "sized", "tokens", "batched"
 
 
@@ -271,18 +272,12 @@ def _unscaled_samples(args: tuple, kwargs: dict) -> CallInputs:
 
 
 def _scaled_samples(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
-    """FluxControlNetModel.forward's scaling, on samples made at scale 1: each list scaled, an
-    empty one None (the compiled model returns None for it already)."""
+    """FluxControlNetModel.forward's and SD3ControlNetModel.forward's scaling, on samples made at
+    scale 1: each list scaled, an empty one None (the compiled model returns None for it already)."""
     scale = kwargs.get("conditioning_scale", 1.0)
     if scale == 1.0:  # x * 1 is x
         return tuple(None if samples is None else list(samples) for samples in outputs)
     return tuple(None if samples is None else [sample * scale for sample in samples] for samples in outputs)
-
-
-def _scaled_blocks(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
-    """SD3ControlNetModel.forward's scaling (its step 6), on samples made at scale 1."""
-    scale = kwargs.get("conditioning_scale", 1.0)
-    return ([sample * scale for sample in outputs[0]],)
 
 
 def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
@@ -383,7 +378,7 @@ SD3_CONTROLNET = dataclasses.replace(
     call_inputs=_unscaled_samples,
     output_class="diffusers.models.controlnets.controlnet_sd3.SD3ControlNetOutput",
     output_fields=("controlnet_block_samples",),
-    finish=_scaled_blocks,
+    finish=_scaled_samples,
 )
 
 # The model diffusers holds several ControlNets of a class in (a pipeline given a list of them): each
