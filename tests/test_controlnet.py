@@ -543,12 +543,37 @@ def test_sdxl_controlnet_union_calls_match_eager(sdxl_union, call):
     """SDXL's ControlNet-Union (ControlNetUnionModel) with one control image: its control type's
     index is an input of the compiled code (every mode one model), scaled after as eager's."""
     _, _, compiled, eager = sdxl_union
-    image = seeded_image(64, 64)
-    same_as_eager(run, compiled, eager, ATOL, control_image=image, **call)
+    same_as_eager(run, compiled, eager, ATOL, control_image=seeded_image(64, 64), **call)
     assert isinstance(compiled.controlnet, diffusers.ControlNetUnionModel)
-    other = {**call, "control_mode": 2 if call["control_mode"] in (0, 3, 1) else 0}
-    assert np.abs(run(compiled, control_image=image, **call) - run(compiled, control_image=image, **other)).max() \
-        > 3 * ATOL
+
+
+@pytest.mark.slow
+def test_sdxl_controlnet_union_takes_the_mode_as_an_input(sdxl_union):
+    """The ControlNet-Union's control type index reaches the compiled code: with everything else
+    equal (the one-hot control_type too), each index gives eager's residuals, and another index
+    other residuals; the img2img and inpainting siblings take the union as the text-to-image call."""
+    _, _, compiled, eager = sdxl_union
+    generator = torch.Generator("cpu").manual_seed(0)
+    call = {"sample": torch.randn(2, 4, 32, 32, generator=generator), "timestep": torch.tensor(500.0),
+            "encoder_hidden_states": torch.randn(2, 77, 64, generator=generator),
+            "controlnet_cond": [torch.rand(2, 3, 64, 64, generator=generator)],
+            "control_type": torch.tensor([[0.0, 1.0, 0.0, 0.0]] * 2),
+            "added_cond_kwargs": {"text_embeds": torch.randn(2, 32, generator=generator),
+                                  "time_ids": torch.randn(2, 6, generator=generator)}, "return_dict": False}
+    made = {}
+    with torch.no_grad():
+        for index in (0, 3):
+            made[index] = compiled.controlnet(**call, control_type_idx=[index])
+            want = eager.controlnet(**call, control_type_idx=[index])
+            for got, expected in zip([*made[index][0], made[index][1]], [*want[0], want[1]], strict=True):
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert (made[0][1] - made[3][1]).abs().max() > 1e-3
+    for sibling, extras in ((diffusers.StableDiffusionXLControlNetUnionImg2ImgPipeline, {}),
+                            (diffusers.StableDiffusionXLControlNetUnionInpaintPipeline,
+                             {"mask_image": _inpaint_extras(1, 64, 64)["mask_image"]})):
+        pipes = [sibling.from_pipe(p) for p in (compiled, eager)]
+        same_as_eager(run, *pipes, ATOL, image=seeded_image(64, 64), control_image=seeded_image(64, 64),
+                      control_mode=2, strength=0.8, **extras)
 
 
 @pytest.mark.slow
@@ -569,6 +594,9 @@ def test_sdxl_controlnet_union_as_data_and_its_refusals(sdxl_union):
     with pytest.raises(ValueError, match="this ControlNet-Union is compiled for one control image per call \\(with its "
                                          "control_mode\\); this call gives 2"):
         run(compiled, control_image=[seeded_image(64, 64), seeded_image(64, 64)], control_mode=[0, 2])
+    with pytest.raises(ValueError, match="guess_mode with guidance: diffusers' ControlNet-Union pipeline gives the "
+                                         "ControlNet the control types of both guidance halves"):
+        run(compiled, control_image=seeded_image(64, 64), control_mode=1, guess_mode=True)
     same_as_eager(run, *(diffusers.StableDiffusionXLPipeline.from_pipe(p) for p in (compiled, eager)), ATOL)
     from aotbuild.generation.backends import generate  # what `run --control-mode` calls
 

@@ -287,7 +287,6 @@ def _scaled_residuals(config: Mapping[str, Any], outputs: Any, kwargs: dict[str,
     import torch
 
     scale, guess_mode = kwargs.get("conditioning_scale", 1.0), kwargs.get("guess_mode", False)
-    scale = scale[0] if isinstance(scale, list) else scale  # a ControlNet-Union's, of its one condition
     down, mid = outputs
     if scale == 1.0 and not guess_mode:  # x * 1 is x: the copies eager makes change no value
         return list(down), mid
@@ -353,25 +352,53 @@ def _union_unscaled(args: tuple, kwargs: dict) -> CallInputs:
     of one row per condition, not the Python ints diffusers passes (which export would freeze into
     the code). A row is a 1-element tensor, which `task_embedding[row]` indexes as a tensor (a 0-d
     one would be read back as a Python int, a host sync export cannot keep)."""
+    sample = args[0] if args else kwargs["sample"]
+    return _unscaled_residuals(args, {**kwargs, "control_type_idx": _index_rows(
+        tuple(kwargs["control_type_idx"]), sample.device)})
+
+
+@functools.cache
+def _index_rows(indices: tuple[int, ...], device: Any) -> Any:
+    """`_union_unscaled`'s index tensor, made once per mode and device: a host-to-device copy
+    each step would wait for the device (the compiled code only reads it)."""
     import torch
 
-    sample = args[0] if args else kwargs["sample"]
-    index = torch.tensor([[i] for i in kwargs["control_type_idx"]], dtype=torch.long, device=sample.device)
-    return _unscaled_residuals(args, {**kwargs, "control_type_idx": index})
+    return torch.tensor([[i] for i in indices], dtype=torch.long, device=device)
 
 
 def _one_condition(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """SDXL's ControlNet-Union is compiled for one control image per call (with its mode); several
+    """SDXL's ControlNet-Union is compiled for one control image per call, with its mode; several
     are weighed by their scales inside the model, which its code does not take. With one, diffusers'
-    two paths (one ControlNet, or one of a MultiControlNetUnionModel: `from_multi`) compute alike."""
-    images = kwargs.get("controlnet_cond") or []
-    if len(images) != 1:
+    two paths (one ControlNet, or one of a MultiControlNetUnionModel: `from_multi`) compute alike.
+    Each refusal in the call's terms: eager fails on some of these too, less clearly."""
+    images, modes = kwargs.get("controlnet_cond"), list(kwargs.get("control_type_idx") or [])
+    count = len(images) if isinstance(images, (list, tuple)) else 0
+    types, prompts = kwargs.get("control_type"), kwargs.get("encoder_hidden_states")
+    if count != 1:
         raise ValueError(f"this ControlNet-Union is compiled for one control image per call (with its control_mode); "
-                         f"this call gives {len(images)}")
+                         f"this call gives {count}")
+    if len(modes) != 1:
+        raise ValueError(f"control_mode gives {len(modes)} modes for 1 control image")
+    if not 0 <= modes[0] < config["num_control_type"]:
+        raise ValueError(f"control_mode {modes[0]}: this ControlNet-Union has modes 0 to "
+                         f"{config['num_control_type'] - 1}")
+    if getattr(types, "shape", None) and getattr(prompts, "shape", None) and types.shape[0] != prompts.shape[0]:
+        raise ValueError("guess_mode with guidance: diffusers' ControlNet-Union pipeline gives the ControlNet the "
+                         "control types of both guidance halves and the conditional half's latents (eager fails "
+                         "too); use guess_mode with guidance_scale=1")
     return {name: value for name, value in kwargs.items() if name != "from_multi"}  # as traced: its default
 
 
-UNION_CONTROLNET = dataclasses.replace(CONTROLNET, call_inputs=_union_unscaled, prepare=_one_condition)
+def _union_scaled(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any]) -> Any:
+    """ControlNetUnionModel.forward's scaling at one condition: `_scaled_residuals` at its scale
+    (the pipeline passes a list of one, MultiControlNetUnionModel a float)."""
+    scale = kwargs.get("conditioning_scale", 1.0)
+    return _scaled_residuals(config, outputs, {**kwargs, "conditioning_scale": scale[0] if isinstance(scale, list)
+                                               else scale})
+
+
+UNION_CONTROLNET = dataclasses.replace(CONTROLNET, call_inputs=_union_unscaled, prepare=_one_condition,
+                                       finish=_union_scaled)
 
 SD3_CONTROLNET = dataclasses.replace(
     CONTROLNET,
