@@ -432,20 +432,26 @@ def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
         <= 1 / 255 + ATOL
 
 
-def test_a_controlnet_taking_the_transformers_position_embedding_is_refused(tmp_path):
-    """SD3.5 Large's ControlNets (use_pos_embed = false) are handed the transformer's position
-    embedding by the pipeline when it is made: a build of one says so before capturing."""
+@pytest.mark.parametrize("target_name, model, change, refusal", [
+    ("cpu-tiny-sd3-controlnet", "SD3ControlNetModel", {"use_pos_embed": False},
+     r"the ControlNet takes the transformer's position embedding \(use_pos_embed = false: SD3.5 Large's ControlNets\)"),
+    ("cpu-tiny-flux-controlnet", "FluxControlNetModel", {"conditioning_embedding_channels": 16},
+     r"the ControlNet takes the control image's pixels through an input_hint_block \(XLabs' Flux ControlNets\)"),
+], ids=["sd35-large", "xlabs"])
+def test_a_controlnet_of_a_form_not_compiled_is_refused_before_capture(tmp_path, target_name, model, change, refusal):
+    """SD3.5 Large's ControlNets (the pipeline hands them the transformer's position embedding when
+    it is made) and XLabs' Flux ControlNets (an input_hint_block module) are refused by a build
+    before it captures anything."""
     import dataclasses
     import json
 
     from aotbuild.builder.capturing import load_source_pipeline
     from aotbuild.errors import BuildError
 
-    target = load_target(TARGETS / "cpu-tiny-sd3-controlnet.toml")
-    config = json.loads((TARGETS / "configs" / "tiny-sd3-controlnet" / "controlnet" / "config.json").read_text())
-    diffusers.SD3ControlNetModel.from_config({**config, "use_pos_embed": False}).save_pretrained(tmp_path / "cn")
-    with pytest.raises(BuildError, match="the ControlNet takes the transformer's position embedding \\(use_pos_embed "
-                                         "= false: SD3.5 Large's ControlNets\\)"):
+    target = load_target(TARGETS / f"{target_name}.toml")
+    config = json.loads((TARGETS / "configs" / target.source.split(":")[1] / "controlnet" / "config.json").read_text())
+    getattr(diffusers, model).from_config({**config, **change}).save_pretrained(tmp_path / "cn")
+    with pytest.raises(BuildError, match=refusal):
         load_source_pipeline(dataclasses.replace(target, controlnet=str(tmp_path / "cn")), PIPELINES[target.pipeline],
                              torch.device("cpu"))
 

@@ -202,15 +202,26 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
                                          dtype=torch.float32, half_files=half)
     if target.controlnet:  # a ControlNet of its own repo, beside a base checkpoint
         components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
-    if "controlnet" in components and dict(components["controlnet"].config).get("use_pos_embed") is False:
-        raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
-                         "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",
-                         hint="build a ControlNet with a position embedding of its own (InstantX's SD3 ControlNets)")
+    if "controlnet" in components:
+        _check_controlnet_form(components["controlnet"])
     pipe = sources.assemble_pipeline(spec, folder, components)
     if target.ip_adapter:  # its UNet is compiled with the adapter's layers, and takes any of its form
         sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed, target.image_encoder)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def _check_controlnet_form(controlnet: Any) -> None:
+    """Refuse, before capturing, a ControlNet of a form aotbuild does not compile yet."""
+    if dict(controlnet.config).get("use_pos_embed") is False:
+        raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
+                         "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",
+                         hint="build a ControlNet with a position embedding of its own (InstantX's SD3 ControlNets)")
+    if getattr(controlnet, "input_hint_block", None) is not None:
+        raise BuildError("the ControlNet takes the control image's pixels through an input_hint_block (XLabs' Flux "
+                         "ControlNets), a module the compiled pipeline's stand-in does not keep: not compiled by "
+                         "aotbuild yet", hint="build a ControlNet that takes the control image's latents (InstantX's, "
+                                              "Shakker-Labs' Flux ControlNets)")
 
 
 def default_pixels(pipe: Any, spec: PipelineSpec, target: Target) -> dict[str, int | None]:
