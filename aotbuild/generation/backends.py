@@ -29,6 +29,7 @@ from ..spec.pipelines import (
     frames_step,
     per_prompt,
     requires_image,
+    union_modes,
 )
 
 BACKENDS = ("aot", "eager", "compile")
@@ -231,13 +232,12 @@ def ip_adapter_loaded(pipe: Any) -> bool:
 
 
 def control_modes(pipe: Any) -> int | None:
-    """How many control modes the pipeline's ControlNet-Union has (Flux's `num_mode`, SDXL's
-    `num_control_type`; several ControlNets: their first's, as diffusers reads them); None: its
-    ControlNet, if any, is not a union one."""
+    """How many control modes the pipeline's ControlNet-Union has (`union_modes`; several
+    ControlNets: their first's, as diffusers reads them); None: its ControlNet, if any, is not a
+    union one."""
     controlnet = getattr(pipe, "controlnet", None)
     controlnet = controlnet.nets[0] if hasattr(controlnet, "nets") else controlnet
-    config = dict(getattr(controlnet, "config", None) or {})
-    return config.get("num_mode", config.get("num_control_type"))
+    return union_modes(dict(getattr(controlnet, "config", None) or {}))
 
 
 def _checked_mode(pipe: Any, mode: int | None) -> int | None:

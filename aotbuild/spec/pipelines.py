@@ -309,6 +309,12 @@ CONTROLNET = ComponentSpec(
     class_checked=True,
 )
 
+def union_modes(config: Mapping[str, Any]) -> int | None:
+    """How many control modes a ControlNet-Union's config gives it (Flux's `num_mode`, SDXL's
+    ControlNetUnionModel's `num_control_type`); None: not a union."""
+    return config.get("num_mode", config.get("num_control_type"))
+
+
 def _control_mode(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """FluxControlNetModel reads `controlnet_mode` only with `num_mode` (a ControlNet-Union). One
     without modes is compiled without it: the mode FluxMultiControlNetModel passes every ControlNet
@@ -316,7 +322,7 @@ def _control_mode(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str
     call's terms (`control_mode`; eager: an IndexError, compiled code: its bounds assert). Checked
     where the mode is on the CPU: on a GPU it would cost a sync a step, and the lookup's own device
     assert refuses it there, as eager's does."""
-    mode, modes = kwargs.get("controlnet_mode"), config.get("num_mode")
+    mode, modes = kwargs.get("controlnet_mode"), union_modes(config)
     if modes is None:
         return kwargs if mode is None else {**kwargs, "controlnet_mode": None}
     on_cpu = getattr(getattr(mode, "device", None), "type", None) == "cpu"
@@ -329,8 +335,8 @@ def _control_mode(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[str
 
 
 def _first_mode(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A ControlNet-Union (`num_mode`) is captured at mode 0: the mode is an input of its code."""
-    return {"control_mode": 0} if config.get("num_mode") is not None else {}
+    """A ControlNet-Union is captured at mode 0: the mode is an input of its code."""
+    return {"control_mode": 0} if union_modes(config) is not None else {}
 
 
 FLUX_CONTROLNET = dataclasses.replace(
@@ -379,9 +385,8 @@ def _one_condition(config: Mapping[str, Any], kwargs: dict[str, Any]) -> dict[st
                          f"this call gives {count}")
     if len(modes) != 1:
         raise ValueError(f"control_mode gives {len(modes)} modes for 1 control image")
-    if not 0 <= modes[0] < config["num_control_type"]:
-        raise ValueError(f"control_mode {modes[0]}: this ControlNet-Union has modes 0 to "
-                         f"{config['num_control_type'] - 1}")
+    if not 0 <= modes[0] < union_modes(config):
+        raise ValueError(f"control_mode {modes[0]}: this ControlNet-Union has modes 0 to {union_modes(config) - 1}")
     if getattr(types, "shape", None) and getattr(prompts, "shape", None) and types.shape[0] != prompts.shape[0]:
         raise ValueError("guess_mode with guidance: diffusers' ControlNet-Union pipeline gives the ControlNet the "
                          "control types of both guidance halves and the conditional half's latents (eager fails "
@@ -398,7 +403,7 @@ def _union_scaled(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any
 
 
 UNION_CONTROLNET = dataclasses.replace(CONTROLNET, call_inputs=_union_unscaled, prepare=_one_condition,
-                                       finish=_union_scaled)
+                                       finish=_union_scaled, capture_arguments=_first_mode)
 
 SD3_CONTROLNET = dataclasses.replace(
     CONTROLNET,
@@ -583,22 +588,13 @@ def _control_image_extras(batch: int, height: int, width: int) -> dict[str, Any]
     return {"control_image": seeded_image(height, width)}
 
 
-def _with_control_mode(extras: Callable[[int, int, int], dict[str, Any]]) -> Callable[[int, int, int], dict[str, Any]]:
-    """A ControlNet-Union pipeline's capture extras: the control image's mode too, 0 (an input of
-    the code: any mode is served)."""
-    def call(batch: int, height: int, width: int) -> dict[str, Any]:
-        return {**extras(batch, height, width), "control_mode": [0]}
-
-    return call
-
-
 # SDXL's ControlNet-Union pipelines: SDXL's ControlNet pipelines whose ControlNet takes control
-# images with their modes (one, compiled: `_one_condition`).
+# images with their modes (one, compiled: `_one_condition`; captured at mode 0: `_first_mode`).
 for _suffix, _extras in (("", _control_image_extras), ("Img2Img", _control_img2img_extras),
                          ("Inpaint", _control_inpaint_extras)):
     _class = f"StableDiffusionXLControlNetUnion{_suffix}Pipeline"
     PIPELINES[_class] = dataclasses.replace(
-        PIPELINES["StableDiffusionXLPipeline"], class_name=_class, capture_extras=_with_control_mode(_extras),
+        PIPELINES["StableDiffusionXLPipeline"], class_name=_class, capture_extras=_extras,
         components={**PIPELINES["StableDiffusionXLPipeline"].components, "controlnet": UNION_CONTROLNET})
 
 
