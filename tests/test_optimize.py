@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -71,6 +72,50 @@ def test_fuse_qkv_leaves_fewer_linears_in_the_exported_graph(tiny_target):
     # self-attention q,k,v -> one linear; cross-attention k,v -> one linear
     assert 0 < after < before
     torch.testing.assert_close(fused.unet(*call.args, **call.kwargs)[0], call.output, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({}, None),
+    ({"qk_norm": "rms_norm"}, "transformer_blocks.0.attn normalizes its queries and keys"),
+    ({"dual_attention_layers": [0]}, "transformer_blocks.0.attn2 normalizes its queries and keys (qk_norm, SD3.5's) "
+                                     "or attends to the image alone"),
+], ids=["sd3", "sd35-qk-norm", "sd35-medium-dual"])
+def test_fuse_qkv_is_refused_where_diffusers_fused_sd3_attention_computes_another_thing(change, refused):
+    """diffusers' fused SD3 attention skips q/k normalization (SD3.5's qk_norm: the output changes)
+    and takes no image-only attention (SD3.5 Medium's attn2: the call fails): such a transformer is
+    refused by the pass's check, which runs before the build captures anything; SD3's own is fused
+    exactly."""
+    import json
+
+    import diffusers
+
+    from aotbuild.builder.optimize import check_passes
+
+    config = json.loads((TARGETS / "configs" / "tiny-sd3" / "transformer" / "config.json").read_text())
+    torch.manual_seed(0)
+    model = diffusers.SD3Transformer2DModel.from_config({**config, **change}).eval()
+    generator = torch.Generator().manual_seed(1)
+    call = {"hidden_states": torch.randn(1, 4, 16, 16, generator=generator),
+            "encoder_hidden_states": torch.randn(1, 8, 32, generator=generator),
+            "pooled_projections": torch.randn(1, 64, generator=generator), "timestep": torch.tensor([500.0])}
+    with torch.no_grad():
+        want = model(**call).sample
+        if refused is None:
+            check_passes({"transformer": model}, {"fuse_qkv": True})
+        else:
+            with pytest.raises(TargetError, match=re.escape(f"optimize.fuse_qkv: transformer's attention {refused}")):
+                check_passes({"transformer": model}, {"fuse_qkv": True})
+        check_passes({"transformer": model}, {"fuse_qkv": False})
+        model.fuse_qkv_projections()
+        try:
+            got = model(**call).sample
+        except AttributeError:  # the image-only attention: diffusers' fused processor wants a text stream
+            assert "dual_attention_layers" in change
+            return
+    if refused is None:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    else:
+        assert (got - want).abs().max() > 1e-3
 
 
 def test_channels_last_changes_weights_and_example_inputs(tiny_target):

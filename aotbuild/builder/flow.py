@@ -166,6 +166,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         source = source_record(target, folder)  # what was read: the commit a branch resolved to, a fingerprint
         pipe = load_source_pipeline(target, spec, torch.device("cpu"), folder)  # capture_all places the models
     check_frames(target, pipe)
+    optimize.check_passes({s.name: getattr(pipe, s.attribute) for s in specs}, target.optimize)
     points, plans = plan_target(target, spec, specs, getattr(pipe, "vae", None), frames_step(pipe))
     regional = next((s for s in specs if s.denoiser), None) if target.compile_mode == "regional" else None
     instances = regions.block_instances(getattr(pipe, regional.attribute), regional.name) if regional else {}

@@ -32,13 +32,18 @@ def _same_inputs(value: Any, tree: Any) -> Any:
     return tree
 
 
+def _any_model(modules: Modules, value: Any) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Pass:
     """A named optimization. `validate(value, device, gpu)` raises TargetError before any load;
     `apply(modules, value, device)` changes the modules and returns what it did;
     `export_context(value)` is entered around torch.export; `example_inputs(value, tree)` adapts
     captured inputs to what the optimized model should be compiled for (the runtime converts
-    calls to the recorded layout)."""
+    calls to the recorded layout); `check(modules, value)` raises TargetError, once the models
+    are loaded and before anything is captured, where the pass cannot change them exactly."""
 
     name: str
     doc: str
@@ -46,18 +51,19 @@ class Pass:
     apply: Callable[[Modules, Any, str], dict[str, Any]]
     export_context: Callable[[Any], ContextManager] = _no_context
     example_inputs: Callable[[Any, Any], Any] = _same_inputs
+    check: Callable[[Modules, Any], None] = _any_model
 
 
 PASSES: dict[str, Pass] = {}  # insertion order is the order passes are applied
 
 
 def register(name: str, *, validate: Callable, export_context: Callable = _no_context,
-             example_inputs: Callable = _same_inputs) -> Callable:
+             example_inputs: Callable = _same_inputs, check: Callable = _any_model) -> Callable:
     """Register `apply` under `name`; its docstring says what the pass does and when it helps."""
 
     def wrap(apply: Callable) -> Callable:
         PASSES[name] = Pass(name=name, doc=(apply.__doc__ or "").strip(), validate=validate, apply=apply,
-                            export_context=export_context, example_inputs=example_inputs)
+                            export_context=export_context, example_inputs=example_inputs, check=check)
         return apply
 
     return wrap
@@ -118,7 +124,22 @@ def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     return {"backend": value}
 
 
-@register("fuse_qkv", validate=_bool("fuse_qkv"))
+def _check_fusable(modules: Modules, value: bool) -> None:
+    """diffusers fuses SD3's joint attention (JointAttnProcessor2_0) into FusedJointAttnProcessor2_0,
+    which skips the q/k normalization and needs the text stream: SD3.5's transformers (qk_norm, and
+    Medium's self-attention-only layers) would compute something else, or fail."""
+    for name, module in modules.items() if value else ():
+        for layer, attention in module.named_modules():
+            if type(getattr(attention, "processor", None)).__name__ != "JointAttnProcessor2_0":
+                continue
+            if getattr(attention, "norm_q", None) is not None or getattr(attention, "add_q_proj", None) is None:
+                raise TargetError(
+                    f"optimize.fuse_qkv: {name}'s attention {layer} normalizes its queries and keys (qk_norm, "
+                    f"SD3.5's) or attends to the image alone (dual attention): diffusers' fused SD3 attention skips "
+                    f"both, so the model's output would change", hint="remove fuse_qkv from the target's [optimize]")
+
+
+@register("fuse_qkv", validate=_bool("fuse_qkv"), check=_check_fusable)
 def apply_fuse_qkv(modules: Modules, value: bool, device: str) -> dict[str, Any]:
     """Fuse each attention's q/k/v projections into one linear (diffusers' fuse_qkv_projections):
     one larger matmul instead of three, a small win on GPUs (diffusion-fast: 2.54 -> 2.52 s)."""
@@ -240,6 +261,13 @@ def apply_dtype(modules: Modules, dtype: str, force_upcast: dict[str, bool]) -> 
             module.to(DTYPES[chosen])
         record[name] = chosen
     return record
+
+
+def check_passes(modules: Modules, options: dict[str, Any]) -> None:
+    """Refuse, before anything is captured, models a pass of the target cannot change exactly."""
+    for name in PASSES:
+        if name in options:
+            PASSES[name].check(modules, options[name])
 
 
 def apply_passes(modules: Modules, options: dict[str, Any], device: str) -> dict[str, Any]:
