@@ -404,3 +404,30 @@ def test_a_frozen_compile_leaves_no_copy_of_the_weights_behind():
     assert [name for graph in graphs for name in graph._buffers if name.startswith("_frozen_param")] == []
     weights = {p.data_ptr() for p in module.parameters()}
     assert [name for graph in graphs for name, t in graph.state_dict().items() if t.data_ptr() in weights] == []
+
+
+def test_a_cropped_table_is_a_recipe_too():
+    """SD3's position embedding crops a stored table to the call's grid (a slice of a buffer), which
+    freezing folds into a constant: its recipe slices the bound table (found building SD3.5 Medium
+    at 512 px, whose compile stopped on the slice)."""
+    from aotbuild.builder import export
+    from aotbuild.builder.optimize import inductor_flags
+
+    class Cropped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(1, 16, 8))
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x + self.table[:, 2:10].to(x.dtype))
+
+    torch.manual_seed(0)
+    module = Cropped().eval()
+    program = torch.export.export(module, (torch.randn(1, 8, 8),))
+    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    sliced = [r for r in recipes.values() if "aten.slice.Tensor" in json.dumps(r)]
+    assert sliced and all(sources(r) == {"table"} for r in sliced)
+    other = torch.randn(1, 16, 8)
+    made = prepare(sliced[0], {"table": other})
+    torch.testing.assert_close(made.reshape(-1), other[:, 2:10].reshape(-1))

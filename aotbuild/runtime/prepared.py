@@ -22,11 +22,12 @@ from ..errors import CorruptArtifactError
 from ..spec.private_apis import versions
 
 # The operators a recipe may call, as the build records them: what freezing folds into a weight's
-# prepared form (a layout, a dtype, oneDNN's packing, a constant folded into a convolution), and
-# nothing else a manifest might name (no in-place write, no allocation of a size it chooses).
+# prepared form (a layout, a dtype, oneDNN's packing, a constant folded into a convolution, the crop
+# of a position-embedding table: SD3's), and nothing else a manifest might name (no in-place write,
+# no allocation of a size it chooses).
 OPERATORS = frozenset({
     "aten.clone.default", "aten.permute.default", "aten.reshape.default", "aten.view.default", "aten.t.default",
-    "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten._to_copy.default",
+    "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.slice.Tensor", "aten._to_copy.default",
     "prims.convert_element_type.default", "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
     "mkldnn._reorder_convolution_weight", "mkldnn._reorder_convolution_transpose_weight",
     "mkldnn._reorder_linear_weight",
