@@ -77,8 +77,8 @@ def test_fuse_qkv_leaves_fewer_linears_in_the_exported_graph(tiny_target):
 @pytest.mark.parametrize("change, refused", [
     ({}, None),
     ({"qk_norm": "rms_norm"}, "transformer_blocks.0.attn normalizes its queries and keys"),
-    ({"dual_attention_layers": [0]}, "transformer_blocks.0.attn2 normalizes its queries and keys (qk_norm, SD3.5's) "
-                                     "or attends to the image alone"),
+    ({"dual_attention_layers": [0]}, "transformer_blocks.0.attn2 attends to the image alone (SD3.5 Medium's dual "
+                                     "attention)"),
 ], ids=["sd3", "sd35-qk-norm", "sd35-medium-dual"])
 def test_fuse_qkv_is_refused_where_diffusers_fused_sd3_attention_computes_another_thing(change, refused):
     """diffusers' fused SD3 attention skips q/k normalization (SD3.5's qk_norm: the output changes)
@@ -116,6 +116,47 @@ def test_fuse_qkv_is_refused_where_diffusers_fused_sd3_attention_computes_anothe
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     else:
         assert (got - want).abs().max() > 1e-3
+
+
+def test_fuse_qkv_is_refused_where_it_would_replace_another_attention_processor():
+    """Fusing puts the fused SD3 processor on every attention: one that runs another (PAG's joint
+    attention) would lose it; an SD3 ControlNet of the plain form fuses."""
+    import json
+
+    import diffusers
+
+    from aotbuild.builder.optimize import check_passes
+
+    config = json.loads((TARGETS / "configs" / "tiny-sd3" / "transformer" / "config.json").read_text())
+    model = diffusers.SD3Transformer2DModel.from_config(config)
+    model.set_attn_processor(diffusers.models.attention_processor.PAGJointAttnProcessor2_0())
+    with pytest.raises(TargetError, match="transformer_blocks.0.attn runs PAGJointAttnProcessor2_0, which fusing "
+                                          "would replace"):
+        check_passes({"transformer": model}, {"fuse_qkv": True})
+    controlnet = json.loads((TARGETS / "configs" / "tiny-sd3-controlnet" / "controlnet" / "config.json").read_text())
+    check_passes({"controlnet": diffusers.SD3ControlNetModel.from_config(controlnet)}, {"fuse_qkv": True})
+
+
+def test_a_build_refuses_fuse_qkv_on_sd35_before_it_captures(tmp_path):
+    """The build checks the passes against the loaded models before its float32 reference (minutes
+    at real size): nothing is captured, nothing is left in the artifacts folder."""
+    import json
+    import shutil
+
+    from aotbuild.builder import build
+
+    configs = tmp_path / "tiny-sd35"
+    shutil.copytree(TARGETS / "configs" / "tiny-sd3", configs)
+    transformer = configs / "transformer" / "config.json"
+    transformer.write_text(json.dumps({**json.loads(transformer.read_text()), "qk_norm": "rms_norm"}))
+    target = dataclasses.replace(load_target(TARGETS / "cpu-tiny-sd3.toml"), name="tiny-sd35",
+                                 source=f"random:{configs}", optimize={"fuse_qkv": True})
+    stages = []
+    with pytest.raises(TargetError, match=re.escape("optimize.fuse_qkv: transformer's attention "
+                                                    "transformer_blocks.0.attn normalizes its queries and keys")):
+        build(target, tmp_path / "artifacts", progress=lambda stage, message: stages.append(stage))
+    assert "load" in stages and "capture" not in stages
+    assert not any((tmp_path / "artifacts").glob("*/manifest.json"))
 
 
 def test_channels_last_changes_weights_and_example_inputs(tiny_target):

@@ -280,6 +280,7 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
     force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in unique.items()}
     dtypes = optimize.apply_dtype(unique, target.dtype, force_upcast)
     dtypes = {name: dtypes[first[id(module)]] for name, module in modules.items()}
+    optimize.check_passes(unique, target.optimize)  # the build checked before capturing; eager runs check here
     passes = optimize.apply_passes(unique, target.optimize, target.device)
     changes_inputs = any(d != "float32" for d in dtypes.values()) or bool(target.optimize)
     return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}

@@ -32,7 +32,7 @@ def _same_inputs(value: Any, tree: Any) -> Any:
     return tree
 
 
-def _any_model(modules: Modules, value: Any) -> None:
+def _no_check(modules: Modules, value: Any) -> None:
     return None
 
 
@@ -51,14 +51,14 @@ class Pass:
     apply: Callable[[Modules, Any, str], dict[str, Any]]
     export_context: Callable[[Any], ContextManager] = _no_context
     example_inputs: Callable[[Any, Any], Any] = _same_inputs
-    check: Callable[[Modules, Any], None] = _any_model
+    check: Callable[[Modules, Any], None] = _no_check
 
 
 PASSES: dict[str, Pass] = {}  # insertion order is the order passes are applied
 
 
 def register(name: str, *, validate: Callable, export_context: Callable = _no_context,
-             example_inputs: Callable = _same_inputs, check: Callable = _any_model) -> Callable:
+             example_inputs: Callable = _same_inputs, check: Callable = _no_check) -> Callable:
     """Register `apply` under `name`; its docstring says what the pass does and when it helps."""
 
     def wrap(apply: Callable) -> Callable:
@@ -124,19 +124,31 @@ def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     return {"backend": value}
 
 
+# The models whose fuse_qkv_projections puts diffusers' FusedJointAttnProcessor2_0 on every attention.
+JOINT_FUSED = ("SD3Transformer2DModel", "SD3ControlNetModel")
+
+
 def _check_fusable(modules: Modules, value: bool) -> None:
-    """diffusers fuses SD3's joint attention (JointAttnProcessor2_0) into FusedJointAttnProcessor2_0,
-    which skips the q/k normalization and needs the text stream: SD3.5's transformers (qk_norm, and
-    Medium's self-attention-only layers) would compute something else, or fail."""
+    """FusedJointAttnProcessor2_0 computes SD3's plain joint attention only: it skips q/k
+    normalization, needs the text stream, and replaces any other processor: SD3.5's transformers
+    (qk_norm; Medium's image-only attn2) would compute something else, or fail."""
     for name, module in modules.items() if value else ():
+        if type(module).__name__ not in JOINT_FUSED:
+            continue
         for layer, attention in module.named_modules():
-            if type(getattr(attention, "processor", None)).__name__ != "JointAttnProcessor2_0":
+            if not hasattr(attention, "processor"):
                 continue
-            if getattr(attention, "norm_q", None) is not None or getattr(attention, "add_q_proj", None) is None:
-                raise TargetError(
-                    f"optimize.fuse_qkv: {name}'s attention {layer} normalizes its queries and keys (qk_norm, "
-                    f"SD3.5's) or attends to the image alone (dual attention): diffusers' fused SD3 attention skips "
-                    f"both, so the model's output would change", hint="remove fuse_qkv from the target's [optimize]")
+            why = ("normalizes its queries and keys (qk_norm, SD3.5's)"
+                   if getattr(attention, "norm_q", None) is not None or getattr(attention, "norm_added_q", None)
+                   is not None else
+                   "attends to the image alone (SD3.5 Medium's dual attention)"
+                   if getattr(attention, "add_q_proj", None) is None else
+                   f"runs {type(attention.processor).__name__}, which fusing would replace"
+                   if type(attention.processor).__name__ != "JointAttnProcessor2_0" else None)
+            if why:
+                raise TargetError(f"optimize.fuse_qkv: {name}'s attention {layer} {why}: diffusers' fused SD3 "
+                                  f"attention computes plain joint attention only, so the model's output would "
+                                  f"change", hint="remove fuse_qkv from the target's [optimize]")
 
 
 @register("fuse_qkv", validate=_bool("fuse_qkv"), check=_check_fusable)
