@@ -196,7 +196,8 @@ def build(ctx: click.Context, target_names: tuple[str, ...], force: bool, allow_
 @click.option("--strength", type=click.FloatRange(0, 1, min_open=True),
               help="img2img: how much of --image to repaint (default: the pipeline's)")
 @click.option("--mask", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="inpainting: repaint --image where this mask is white, keep it where black (resized like --image)")
+              help="inpainting: repaint --image where this mask is white, keep it where black (resized like --image); "
+                   "SD3's inpainting ControlNet pipeline repaints --control-image")
 @click.option("--control-image", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a ControlNet pipeline's control image (edges, depth, pose...), resized to the height and width")
 @click.option("--control-mode", type=click.IntRange(min=0),
@@ -230,8 +231,8 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     """Generate an image (a video, for a video pipeline) with the artifact (aot) or the eager /
     torch.compile pipeline; with --image, img2img from it, or an edit of it where the pipeline edits
     images (Flux Kontext); with --mask too, inpainting; a ControlNet pipeline steered by
-    --control-image (a ControlNet-Union's mode, --control-mode); an IP-Adapter's image prompt,
-    --ip-adapter-image."""
+    --control-image (a ControlNet-Union's mode, --control-mode; SD3's inpainting ControlNet
+    pipeline repaints it where --mask is white); an IP-Adapter's image prompt, --ip-adapter-image."""
     from .generation.media import check_video_writer, video_fps, write_video
 
     if target_name is not None and artifact is not None:
@@ -247,8 +248,9 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                             f"give --target")
     if strength is not None and not images:
         raise AotbuildError("--strength applies to img2img: give --image too")
-    if mask is not None and len(images) != 1:
-        raise AotbuildError("--mask inpaints one image: give --image once")
+    if mask is not None and len(images) != 1 and not (control_image and not images):
+        raise AotbuildError("--mask inpaints one image: give --image once (or --control-image alone, for SD3's "
+                            "inpainting ControlNet pipeline)")
     if output is not None and output.suffix.lower() not in (*IMAGE_SUFFIXES, VIDEO_SUFFIX):
         raise AotbuildError(f"--output {output}: use a .png, .jpg or .webp file name (.mp4 for a video)")
     if output is not None and not output.parent.is_dir():
@@ -329,7 +331,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
     from .spec.pipelines import edits_image
 
     mode = (" image-to-video" if video else " edit" if edits_image(type(pipe)) else
-            " inpainting" if mask is not None else " img2img") if images else ""
+            " inpainting" if mask is not None else " img2img") if images else " inpainting" if mask else ""
     made = f"{len(gen.images)} video(s) of {len(gen.images[0])} frames" if video else f"{len(gen.images)} image(s)"
     click.echo(f"backend={backend}{mode}{applied} guidance_scale={guidance_scale:g} load={load_s:.2f}s "
                f"first_step={gen.first_step_s:.2f}s total={gen.total_s:.2f}s ({steps} steps, {made})")

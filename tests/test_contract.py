@@ -13,6 +13,7 @@ from PIL import Image
 import aotbuild
 from aotbuild.builder.targets import load_target
 from aotbuild.errors import AotbuildError, ShapeNotSupportedError
+from aotbuild.spec.pipelines import repaint_mask
 
 from .conftest import TARGETS, build_once, eager_pipeline
 
@@ -108,8 +109,7 @@ def test_img2img_and_inpainting_share_the_compiled_models(pipes):
     img2img, inpaint, _ = FAMILIES[target.name]
     bucket = target.shapes[0]
     image = picture(bucket.height, seed=1)
-    mask = Image.fromarray(np.tile((np.arange(bucket.width) >= bucket.width // 2).astype(np.uint8) * 255,
-                                   (bucket.height, 1)))
+    mask = repaint_mask(bucket.height, bucket.width)
     call = {"image": image, "strength": 0.6, "num_inference_steps": 4, "height": bucket.height, "width": bucket.width}
     if "XL" in img2img or img2img == "StableDiffusionImg2ImgPipeline":
         call.pop("height"), call.pop("width")  # these take the image's size

@@ -21,7 +21,7 @@ import aotbuild
 from aotbuild.builder.targets import load_target
 from aotbuild.errors import ShapeNotSupportedError, UnsupportedCallError, WeightsMismatchError
 from aotbuild.runtime.component import CompiledComponent
-from aotbuild.spec.pipelines import PIPELINES, _inpaint_extras, seeded_image
+from aotbuild.spec.pipelines import PIPELINES, _inpaint_extras, repaint_mask, seeded_image
 
 from .conftest import TARGETS, build_once, eager_pipeline, make_lora, same_as_eager
 
@@ -437,11 +437,18 @@ def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
      r"the ControlNet takes the transformer's position embedding \(use_pos_embed = false: SD3.5 Large's ControlNets\)"),
     ("cpu-tiny-flux-controlnet", "FluxControlNetModel", {"conditioning_embedding_channels": 16},
      r"the ControlNet takes the control image's pixels through an input_hint_block \(XLabs' Flux ControlNets\)"),
-], ids=["sd35-large", "xlabs"])
+    ("cpu-tiny-sd3-controlnet", "SD3ControlNetModel", {"extra_conditioning_channels": 1},
+     r"the ControlNet inpaints: it takes a mask beside the image \(extra_conditioning_channels = 1\), which "
+     r"StableDiffusion3ControlNetPipeline does not give it"),
+    ("cpu-tiny-sd3-controlnet-inpaint", "SD3ControlNetModel", {"extra_conditioning_channels": 0},
+     r"the ControlNet takes no mask \(extra_conditioning_channels = 0\), and "
+     r"StableDiffusion3ControlNetInpaintingPipeline gives its ControlNet the masked image with the mask"),
+], ids=["sd35-large", "xlabs", "inpainting-in-sd3", "plain-in-sd3-inpainting"])
 def test_a_controlnet_of_a_form_not_compiled_is_refused_before_capture(tmp_path, target_name, model, change, refusal):
     """SD3.5 Large's ControlNets (the pipeline hands them the transformer's position embedding when
-    it is made) and XLabs' Flux ControlNets (an input_hint_block module) are refused by a build
-    before it captures anything."""
+    it is made), XLabs' Flux ControlNets (an input_hint_block module), and an SD3 ControlNet in the
+    SD3 pipeline that gives it another input (a mask, or none) are refused by a build before it
+    captures anything."""
     import dataclasses
     import json
 
@@ -522,7 +529,9 @@ def test_sd3_without_its_controlnet_and_two_controlnets(sd3):
 @pytest.mark.slow
 def test_run_seeds_what_sd3s_controlnet_pipeline_draws_unseeded(sd3):
     """generate (what `run` and `bench` call) seeds torch's global generator with the call's seed
-    too: SD3's ControlNet pipeline samples the control image's latents from it."""
+    too: SD3's ControlNet pipeline samples the control image's latents from it. An image and a mask
+    beside the control image are refused by name: diffusers' inpainting sibling needs another
+    ControlNet."""
     from aotbuild.generation.backends import generate
 
     _, _, compiled, eager = sd3
@@ -532,6 +541,90 @@ def test_run_seeds_what_sd3s_controlnet_pipeline_draws_unseeded(sd3):
     want = run_sd3(eager, control_image=control, guidance_scale=7.0)
     for generation in made:
         np.testing.assert_allclose(np.asarray(generation.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)
+    # diffusers' inpainting sibling of this pipeline takes an inpainting ControlNet, which this is not
+    with pytest.raises(aotbuild.AotbuildError, match="StableDiffusion3ControlNetPipeline has no inpainting sibling "
+                                                     "for its ControlNet"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=control, image=control,
+                 mask=repaint_mask(64, 64))
+
+
+@pytest.fixture(scope="module")
+def sd3_inpaint(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-sd3-controlnet-inpaint")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [
+    {}, {"controlnet_conditioning_scale": 0.5}, {"control_guidance_start": 0.4, "control_guidance_end": 0.8},
+    {"guidance_scale": 1.0}, {"num_images_per_prompt": 2}, {"num_images_per_prompt": 2, "guidance_scale": 1.0},
+    {"image_size": (40, 48)},
+], ids=["default", "scale", "window", "unguided", "two-images", "two-images-unguided", "resized"])
+def test_sd3_inpainting_controlnet_calls_match_eager(sd3_inpaint, call):
+    """SD3's inpainting ControlNet pipeline (Alimama's): the compiled VAE encoder encodes the masked
+    image once per image (the pipeline repeats its latents for guidance), and the compiled
+    ControlNet takes them with the mask; another mask repaints another image."""
+    _, _, compiled, eager = sd3_inpaint
+    size = call.pop("image_size", (64, 64))
+    got = same_as_eager(run_sd3, compiled, eager, ATOL, control_image=seeded_image(*size),
+                        control_mask=repaint_mask(*size), **call)
+    assert {compiled.controlnet.last_variant, compiled.transformer.last_variant, compiled.vae.encoder.last_variant} \
+        == {"b2_64x64"}
+    if not call:  # (3 steps leave no step inside the window: there, as at scale 0, the mask cannot act)
+        flipped = PIL.Image.fromarray(255 - np.asarray(repaint_mask(*size)))
+        assert np.abs(run_sd3(compiled, control_image=seeded_image(*size), control_mask=flipped) - got).max() > 0.05
+
+
+@pytest.mark.slow
+def test_run_inpaints_through_sd3s_controlnet(sd3_inpaint, tmp_path):
+    """`generate` (what `run` and `bench` call) gives the mask as the pipeline's control_mask, ==
+    the pipeline called with it; a control image without a mask, or another image beside it, is
+    refused in the call's terms; `aotbuild run --control-image --mask` makes the same image."""
+    from click.testing import CliRunner
+
+    from aotbuild.cli import main
+    from aotbuild.generation.backends import generate
+
+    _, built, compiled, eager = sd3_inpaint
+    control, mask = seeded_image(64, 64), repaint_mask(64, 64)
+    made = generate(compiled, PROMPT, steps=3, seed=0, height=64, width=64, guidance_scale=7.0, control=control,
+                    mask=mask)
+    want = run_sd3(eager, control_image=control, control_mask=mask, guidance_scale=7.0)
+    np.testing.assert_allclose(np.asarray(made.images[0]) / 255, want[0], atol=1 / 255 + ATOL, rtol=0)
+    with pytest.raises(aotbuild.AotbuildError, match="StableDiffusion3ControlNetInpaintingPipeline inpaints its "
+                                                     "control image: give the mask of what it repaints"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=control)
+    with pytest.raises(aotbuild.AotbuildError, match="inpaints its control image: it takes no other image"):
+        generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=control, mask=mask, image=control)
+    control.save(tmp_path / "photo.png")
+    mask.save(tmp_path / "mask.png")
+    result = CliRunner().invoke(main, ["run", "--artifact", str(built.folder), "--prompt", PROMPT, "--control-image",
+                                       str(tmp_path / "photo.png"), "--mask", str(tmp_path / "mask.png"),
+                                       "--guidance-scale", "7", "--steps", "3", "--height", "64", "--width", "64",
+                                       "--batch", "1", "--output", str(tmp_path / "out.png")])
+    assert result.exit_code == 0, result.output
+    assert "inpainting" in result.output
+    assert np.abs(np.asarray(PIL.Image.open(tmp_path / "out.png"), dtype=np.float32) / 255 - want[0]).max() \
+        <= 1 / 255 + ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, control", [
+    ("sd3", {"control_image": seeded_image(64, 64)}),
+    ("sd3_inpaint", {"control_image": seeded_image(64, 64), "control_mask": repaint_mask(64, 64)}),
+    ("sdxl_union", {"control_image": seeded_image(64, 64), "control_mode": 2}),
+], ids=["sd3", "sd3-inpainting", "sdxl-union"])
+def test_a_lora_on_the_denoiser_beside_sd3s_controlnets_and_a_union(request, fixture, control, tmp_path):
+    """A LoRA loaded into the compiled pipeline goes to its denoiser, beside SD3's ControlNets and
+    SDXL's ControlNet-Union as beside a plain ControlNet: == eager with the same LoRA, and not the
+    image without it."""
+    target, built, _, _ = request.getfixturevalue(fixture)
+    compiled, eager, plain = aotbuild.load_pipeline(built.folder), eager_pipeline(target), eager_pipeline(target)
+    lora = make_lora(eager, tmp_path, seed=1)
+    for pipe in (compiled, eager):
+        pipe.load_lora_weights(lora, adapter_name="made")
+    call = run_sd3 if fixture.startswith("sd3") else run  # SD3's draw the control latents from the global generator
+    got = same_as_eager(call, compiled, eager, ATOL, **control)
+    assert np.abs(got - call(plain, **control)).max() > 1e-3  # the LoRA changes the image
 
 
 @pytest.fixture(scope="module")

@@ -438,3 +438,17 @@ def test_sd3_controlnets_vae_encoder_spans_the_control_image_per_guidance_half(g
         assert points[control[0]].batch == 2 * dynamic_batch[1] and points[control[0]].alone == "vae_encoder"
     assert not any(p.endswith(":control") for name in ("transformer", "controlnet", "vae_decoder")
                    for plan in plans[name] for p in plan.points)
+
+
+def test_sd3s_inpainting_controlnet_encodes_once_per_image():
+    """SD3's inpainting ControlNet pipeline encodes the masked image once and repeats its latents for
+    guidance: its VAE encoder spans the call's images, with no control point."""
+    from aotbuild.builder.plan import plan_target
+    from aotbuild.spec.pipelines import pipeline_spec
+
+    target = load_target(TARGETS / "cpu-tiny-sd3-controlnet-inpaint.toml")
+    spec = pipeline_spec(target.pipeline)
+    points, plans = plan_target(target, spec, [spec.component(n) for n in target.components], None, 1)
+    (bucket,) = plans["vae_encoder"]
+    assert sorted(points[p].batch for p in bucket.points) == [1, 2]
+    assert not any(":control" in p for plan in plans.values() for variant in plan for p in variant.points)

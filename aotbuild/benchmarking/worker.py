@@ -75,7 +75,14 @@ def _worker(args: argparse.Namespace) -> None:
 
     from ..generation.backends import control_modes, generate, ip_adapter_loaded, prepare
     from ..runtime.sources import random_init_seconds
-    from ..spec.pipelines import control_image_argument, requires_image, seeded_image, seeded_images
+    from ..spec.pipelines import (
+        control_image_argument,
+        inpaints_control_image,
+        repaint_mask,
+        requires_image,
+        seeded_image,
+        seeded_images,
+    )
 
     def since_spawn() -> float:
         return time.time() - args.spawn_time - random_init_seconds()
@@ -117,6 +124,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     # A ControlNet pipeline is steered by a seeded control image of the output's size.
     control = seeded_image(bucket.height, bucket.width) if control_image_argument(type(pipe)) else None
+    # SD3's inpainting ControlNet pipeline repaints the control image's right half.
+    mask = repaint_mask(bucket.height, bucket.width) if inpaints_control_image(type(pipe)) else None
     # A ControlNet-Union's first mode.
     control_mode = 0 if control is not None and control_modes(pipe) is not None else None
     # An IP-Adapter (the target's, loaded by every case) takes a seeded image prompt.
@@ -125,8 +134,8 @@ def _worker(args: argparse.Namespace) -> None:
     def call() -> Any:
         return generate(pipe, "a photo of a red fox in the snow", steps=args.steps, seed=0, height=bucket.height,
                         width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
-                        frames=bucket.frames, image=image, text=bucket.max_sequence_length, control=control,
-                        control_mode=control_mode,
+                        frames=bucket.frames, image=image, text=bucket.max_sequence_length, mask=mask,
+                        control=control, control_mode=control_mode,
                         image_prompt=image_prompt)
 
     started = since_spawn()

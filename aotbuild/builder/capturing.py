@@ -18,7 +18,15 @@ import torch
 from ..errors import BuildError
 from ..runtime import sources
 from ..spec.manifest import DTYPES
-from ..spec.pipelines import COMPILED_VAES, SIZED_BY_IMAGE, UNGUIDED, ComponentSpec, PipelineSpec, seeded_image
+from ..spec.pipelines import (
+    COMPILED_VAES,
+    SIZED_BY_IMAGE,
+    UNGUIDED,
+    ComponentSpec,
+    PipelineSpec,
+    inpaints_control_image,
+    seeded_image,
+)
 from ..spec.private_apis import pytree
 from . import capture, optimize, regions
 from .context import Progress
@@ -203,7 +211,7 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
     if target.controlnet:  # a ControlNet of its own repo, beside a base checkpoint
         components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
     if "controlnet" in components:
-        _check_controlnet_form(components["controlnet"])
+        _check_controlnet_form(components["controlnet"], spec.class_name)
     pipe = sources.assemble_pipeline(spec, folder, components)
     if target.ip_adapter:  # its UNet is compiled with the adapter's layers, and takes any of its form
         sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed, target.image_encoder)
@@ -211,8 +219,21 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
     return pipe.to(device)
 
 
-def _check_controlnet_form(controlnet: Any) -> None:
-    """Refuse, before capturing, a ControlNet of a form aotbuild does not compile yet."""
+def _check_controlnet_form(controlnet: Any, pipeline: str) -> None:
+    """Refuse, before capturing, a ControlNet of a form aotbuild does not compile yet, or one the
+    pipeline cannot call (an SD3 ControlNet taking a mask, or none, in the other SD3 pipeline)."""
+    import diffusers
+
+    extra = dict(controlnet.config).get("extra_conditioning_channels")
+    if type(controlnet).__name__ == "SD3ControlNetModel" and extra != inpaints_control_image(
+            getattr(diffusers, pipeline)):
+        if extra:
+            raise BuildError(f"the ControlNet inpaints: it takes a mask beside the image (extra_conditioning_channels "
+                             f"= {extra}), which {pipeline} does not give it",
+                             hint="build it as a StableDiffusion3ControlNetInpaintingPipeline target")
+        raise BuildError(f"the ControlNet takes no mask (extra_conditioning_channels = 0), and {pipeline} gives its "
+                         f"ControlNet the masked image with the mask", hint="build it as a "
+                         "StableDiffusion3ControlNetPipeline target, or with an inpainting ControlNet (Alimama's)")
     if dict(controlnet.config).get("use_pos_embed") is False:
         raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
                          "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",

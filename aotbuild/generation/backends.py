@@ -27,6 +27,7 @@ from ..spec.pipelines import (
     exact_size,
     frames_around,
     frames_step,
+    inpaints_control_image,
     per_prompt,
     requires_image,
     union_modes,
@@ -266,7 +267,8 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
     image-to-image sibling (`from_pipe`, sharing its models) starts from it, resized to height x
     width; `strength` as diffusers takes it. With `mask` too (white repaints, black keeps), inpainting:
     the pipeline's inpainting sibling. `control`: a ControlNet pipeline's control image (resized to
-    height x width, as the pipeline would); `control_mode`, a ControlNet-Union's mode for it, needed
+    height x width, as the pipeline would), with `mask` the image SD3's inpainting ControlNet
+    pipeline inpaints (its `control_mask`); `control_mode`, a ControlNet-Union's mode for it, needed
     exactly when the ControlNet is one. `image_prompt`: the image an IP-Adapter loaded into the
     pipeline takes (`ip_adapter_image`), needed exactly when one is loaded. `text`: the call's
     max_sequence_length (None: its default).
@@ -275,7 +277,15 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
     if isinstance(prompt, list) != isinstance(seed, list) or isinstance(seed, list) and (
             len(seed) != len(prompt) or batch != 1):
         raise AotbuildError("a batch of requests is a list of prompts with a seed each, one image per prompt")
-    if mask is not None and (image is None or isinstance(image, list)):
+    # SD3's inpainting ControlNet pipeline inpaints its control image, under `control_mask`.
+    masks_control = inpaints_control_image(type(pipe))
+    if masks_control and image is not None:
+        raise AotbuildError(f"{type(pipe).__name__} inpaints its control image: it takes no other image",
+                            hint="give the image to inpaint as the control image (--control-image) with --mask")
+    if masks_control and control is not None and mask is None:
+        raise AotbuildError(f"{type(pipe).__name__} inpaints its control image: give the mask of what it repaints "
+                            f"(--mask: white repaints, black keeps)")
+    if mask is not None and not masks_control and (image is None or isinstance(image, list)):
         raise AotbuildError("a mask goes with one image: the image to inpaint")
     marks: list[float] = []
     # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
@@ -303,11 +313,17 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 
                 sibling = AutoPipelineForInpainting if mask is not None else AutoPipelineForImage2Image
+                made = "inpainting" if mask is not None else "img2img"
                 try:
-                    pipe = sibling.from_pipe(pipe)
+                    chosen = sibling.from_pipe(pipe)
                 except ValueError as exc:  # diffusers has no such sibling for this pipeline
-                    made = "inpainting" if mask is not None else "img2img"
                     raise AotbuildError(f"{type(pipe).__name__} has no {made} sibling in diffusers ({exc})") from None
+            if inpaints_control_image(type(chosen)):  # SD3's: an inpainting ControlNet's pipeline, not this one's
+                raise AotbuildError(f"{type(pipe).__name__} has no {made} sibling for its ControlNet: diffusers' "
+                                    f"{type(chosen).__name__} inpaints through an inpainting ControlNet",
+                                    hint="build a StableDiffusion3ControlNetInpaintingPipeline target with one, and "
+                                         "give it the image to inpaint as --control-image with --mask")
+            pipe = chosen
             pipe.set_progress_bar_config(disable=True)
         if isinstance(image, list) and type(pipe).__name__ not in EDITS_SEVERAL:
             raise AotbuildError(f"{type(pipe).__name__} takes one image, not {len(image)}",
@@ -331,6 +347,8 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                             f"pose...): give one (--control-image)")
     if control is not None:
         call[control_argument] = control.resize((width, height)) if height and width else control
+        if masks_control:
+            call["control_mask"] = mask.resize((width, height)) if height and width else mask
         call["control_mode"] = _checked_mode(pipe, control_mode)
     elif control_mode is not None:
         raise AotbuildError("a control mode goes with a control image (--control-image)")

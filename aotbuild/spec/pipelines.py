@@ -539,15 +539,20 @@ def seeded_images(sizes: Sequence[tuple[int, int]]) -> list[Any]:
     return [seeded_image(height, width) for height, width in sizes]
 
 
-def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
-    """A seeded image and a mask whose right half is repainted, as PIL images; strength 1 so one
-    inference step still runs the denoiser (SDXL inpainting's default 0.9999 would run none)."""
+def repaint_mask(height: int, width: int) -> Any:
+    """A PIL mask repainting the right half (white) and keeping the left (black): what captures and
+    benches inpaint with."""
     import torch
     from PIL import Image
 
     mask = (torch.arange(width) >= width // 2).to(torch.uint8).mul(255).expand(height, width)
-    return {"image": seeded_image(height, width), "mask_image": Image.fromarray(mask.contiguous().numpy()),
-            "strength": 1.0}
+    return Image.fromarray(mask.contiguous().numpy())
+
+
+def _inpaint_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    """A seeded image and `repaint_mask`; strength 1 so one inference step still runs the denoiser
+    (SDXL inpainting's default 0.9999 would run none)."""
+    return {"image": seeded_image(height, width), "mask_image": repaint_mask(height, width), "strength": 1.0}
 
 
 # Inpainting checkpoints (a UNet taking 9 channels: latents, mask, masked image latents) are targets
@@ -613,6 +618,17 @@ PIPELINES["StableDiffusion3ControlNetPipeline"] = dataclasses.replace(
     PIPELINES["StableDiffusion3Pipeline"], class_name="StableDiffusion3ControlNetPipeline",
     capture_extras=_control_image_extras, encodes_guided_control=True,
     components={**PIPELINES["StableDiffusion3Pipeline"].components, "controlnet": SD3_CONTROLNET})
+
+
+def _control_mask_extras(batch: int, height: int, width: int) -> dict[str, Any]:
+    return {"control_image": seeded_image(height, width), "control_mask": repaint_mask(height, width)}
+
+
+# SD3's inpainting ControlNet pipeline (Alimama's): the ControlNet inpaints, taking the masked
+# image's latents (encoded once, then repeated for guidance) and the mask as its control image.
+PIPELINES["StableDiffusion3ControlNetInpaintingPipeline"] = dataclasses.replace(
+    PIPELINES["StableDiffusion3ControlNetPipeline"], class_name="StableDiffusion3ControlNetInpaintingPipeline",
+    capture_extras=_control_mask_extras, encodes_guided_control=False)
 
 # Flux Kontext: FluxPipeline's components and text encoders; an edited image's latents are packed
 # into tokens after the generated ones (so a bucket names the image's size too), and its VAE
@@ -735,6 +751,12 @@ def control_image_argument(cls: type) -> str | None:
     if "controlnet" not in inspect.signature(cls.__init__).parameters:
         return None
     return "control_image" if "control_image" in parameters else "image"
+
+
+def inpaints_control_image(cls: type) -> bool:
+    """Whether a ControlNet pipeline inpaints its control image, taking the mask as `control_mask`
+    (SD3's inpainting ControlNet pipeline)."""
+    return "control_mask" in inspect.signature(cls.__call__).parameters
 
 
 def edits_image(cls: type) -> bool:
