@@ -321,3 +321,27 @@ def test_growth_reads_the_builds_and_calls_of_several_targets(built, built_bf16_
                                        str(artifacts), "--component", "vae_decoder", "--growth",
                                        str(TARGETS / f"{names[1]}.toml")])
     assert result.exit_code == 1 and "cpu-tiny-sdxl-bf16-prepack compiles unet; not 'vae_decoder'" in result.output
+
+
+def test_the_component_bench_counts_attention_flops():
+    """A denoiser's FLOPs include its attention's two matmuls: torch's FlopCounterMode has no
+    formula for ATen's CPU flash attention, which counted 0 (the published GFLOP/s of every CPU
+    component bench left SDXL's self-attention out: 1.57 of 13.5 TFLOP at 1024 px)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from aotbuild.benchmarking.component import call_flop
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            q = self.proj(x).unflatten(-1, (4, 16)).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    call = SimpleNamespace(args=(torch.randn(2, 128, 64),), kwargs={})
+    linear, attention = 2 * (2 * 128) * 64 * 64, 2 * (2 * 2 * 4 * 128 * 128 * 16)
+    assert call_flop(Attention(), call) == linear + attention

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import AotbuildError
 from ..runtime.openmp import spin_setting
-from ..spec.private_apis import fake_tensor_mode, pytree
+from ..spec.private_apis import attention_flop_formulas, fake_tensor_mode, pytree
 from .peers import PEERS, call_tensors, reference_call, tensor_program
 from .stats import quartiles
 
@@ -234,7 +234,7 @@ def call_flop(module: torch.nn.Module, call: Any) -> float:
 
     with fake_tensor_mode() as fake, torch.no_grad():
         args, kwargs = pytree.tree_map_only(torch.Tensor, fake.from_tensor, (call.args, call.kwargs))
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=attention_flop_formulas()) as counter:
             module(*args, **kwargs)
     return float(counter.get_total_flops())
 
