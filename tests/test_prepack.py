@@ -431,3 +431,15 @@ def test_a_cropped_table_is_a_recipe_too():
     other = torch.randn(1, 16, 8)
     made = prepare(sliced[0], {"table": other})
     torch.testing.assert_close(made.reshape(-1), other[:, 2:10].reshape(-1))
+    # A slice is a view at an offset of its table: made anew from a new table, never written through.
+    prepared = PreparedConstants({"_frozen_param0": sliced[0]}, {"table": other}, "p.pt2")
+    assert "table" in prepared.viewed
+    new, before = torch.randn(1, 16, 8), other.clone()
+    anew = prepared.rebind({"table": new})["_frozen_param0"]
+    assert anew.untyped_storage().data_ptr() == new.untyped_storage().data_ptr() and anew.storage_offset() > 0
+    torch.testing.assert_close(anew.reshape(-1), new[:, 2:10].reshape(-1))
+    assert torch.equal(other, before)  # the first table untouched
+    with torch.no_grad():
+        new.mul_(2)  # written in place: seen through the view
+    assert prepared.refresh() == {}
+    torch.testing.assert_close(anew.reshape(-1), new[:, 2:10].reshape(-1))

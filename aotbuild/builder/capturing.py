@@ -224,16 +224,17 @@ def _check_controlnet_form(controlnet: Any, pipeline: str) -> None:
     pipeline cannot call (an SD3 ControlNet taking a mask, or none, in the other SD3 pipeline)."""
     import diffusers
 
-    extra = dict(controlnet.config).get("extra_conditioning_channels")
-    if type(controlnet).__name__ == "SD3ControlNetModel" and extra != inpaints_control_image(
-            getattr(diffusers, pipeline)):
-        if extra:
+    extra = dict(controlnet.config).get("extra_conditioning_channels") or 0
+    masked = type(controlnet).__name__ == "SD3ControlNetModel" and inpaints_control_image(getattr(diffusers, pipeline))
+    if type(controlnet).__name__ == "SD3ControlNetModel" and extra != (1 if masked else 0):
+        if not masked:
             raise BuildError(f"the ControlNet inpaints: it takes a mask beside the image (extra_conditioning_channels "
                              f"= {extra}), which {pipeline} does not give it",
                              hint="build it as a StableDiffusion3ControlNetInpaintingPipeline target")
-        raise BuildError(f"the ControlNet takes no mask (extra_conditioning_channels = 0), and {pipeline} gives its "
-                         f"ControlNet the masked image with the mask", hint="build it as a "
-                         "StableDiffusion3ControlNetPipeline target, or with an inpainting ControlNet (Alimama's)")
+        raise BuildError(f"the ControlNet takes {extra} channels beside the image (extra_conditioning_channels = "
+                         f"{extra}), and {pipeline} gives its ControlNet the masked image with one: the mask",
+                         hint="build it as a StableDiffusion3ControlNetPipeline target, or with an inpainting "
+                              "ControlNet (Alimama's, extra_conditioning_channels = 1)")
     if dict(controlnet.config).get("use_pos_embed") is False:
         raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
                          "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",
@@ -294,6 +295,7 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
     for name, module in modules.items():
         first.setdefault(id(module), name)
     unique = {name: modules[name] for name in first.values()}
+    optimize.check_passes(unique, target.optimize)  # the build checked before capturing; eager runs check here
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module) and id(component) not in first \
                 and getattr(component, "dtype", None) != DTYPES[target.dtype]:  # a cast that is no cast warns
@@ -301,7 +303,6 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
     force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in unique.items()}
     dtypes = optimize.apply_dtype(unique, target.dtype, force_upcast)
     dtypes = {name: dtypes[first[id(module)]] for name, module in modules.items()}
-    optimize.check_passes(unique, target.optimize)  # the build checked before capturing; eager runs check here
     passes = optimize.apply_passes(unique, target.optimize, target.device)
     changes_inputs = any(d != "float32" for d in dtypes.values()) or bool(target.optimize)
     return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}

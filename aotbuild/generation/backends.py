@@ -286,7 +286,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
         raise AotbuildError(f"{type(pipe).__name__} inpaints its control image: give the mask of what it repaints "
                             f"(--mask: white repaints, black keeps)")
     if mask is not None and not masks_control and (image is None or isinstance(image, list)):
-        raise AotbuildError("a mask goes with one image: the image to inpaint")
+        raise AotbuildError("a mask goes with one image: the image to inpaint", hint=(
+            f"{type(pipe).__name__} inpaints --image; SD3's inpainting ControlNet pipeline repaints --control-image"
+            if control is not None else None))
     marks: list[float] = []
     # CUDA runs ahead of the host: without a sync a step's mark is when its kernels were queued.
     sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
