@@ -555,10 +555,9 @@ def sd3_inpaint(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("call", [
-    {}, {"controlnet_conditioning_scale": 0.5}, {"control_guidance_start": 0.4, "control_guidance_end": 0.8},
-    {"guidance_scale": 1.0}, {"num_images_per_prompt": 2}, {"num_images_per_prompt": 2, "guidance_scale": 1.0},
+    {}, {"controlnet_conditioning_scale": 0.5}, {"guidance_scale": 1.0}, {"num_images_per_prompt": 2},
     {"image_size": (40, 48)},
-], ids=["default", "scale", "window", "unguided", "two-images", "two-images-unguided", "resized"])
+], ids=["default", "scale", "unguided", "two-images", "resized"])  # (the window: SD3's ControlNet test)
 def test_sd3_inpainting_controlnet_calls_match_eager(sd3_inpaint, call):
     """SD3's inpainting ControlNet pipeline (Alimama's): the compiled VAE encoder encodes the masked
     image once per image (the pipeline repeats its latents for guidance), and the compiled
@@ -570,7 +569,7 @@ def test_sd3_inpainting_controlnet_calls_match_eager(sd3_inpaint, call):
                         control_mask=repaint_mask(*size), **call)
     assert {compiled.controlnet.last_variant, compiled.transformer.last_variant, compiled.vae.encoder.last_variant} \
         == {"b2_64x64"}
-    if not call and size == (64, 64):  # (3 steps leave no step inside the window: there the mask cannot act)
+    if not call and size == (64, 64):
         flipped = PIL.Image.fromarray(255 - np.asarray(repaint_mask(*size)))
         assert np.abs(run_sd3(compiled, control_image=seeded_image(*size), control_mask=flipped) - got).max() > 0.05
 
