@@ -74,6 +74,13 @@ def test_fuse_qkv_leaves_fewer_linears_in_the_exported_graph(tiny_target):
     torch.testing.assert_close(fused.unet(*call.args, **call.kwargs)[0], call.output, atol=1e-5, rtol=1e-4)
 
 
+def tiny_config(config_set: str, part: str) -> dict:
+    """A model's config from one of the shipped config sets."""
+    import json
+
+    return json.loads((TARGETS / "configs" / config_set / part / "config.json").read_text())
+
+
 @pytest.mark.parametrize("change, refused", [
     ({}, None),
     ({"qk_norm": "rms_norm"}, "transformer_blocks.0.attn normalizes its queries and keys"),
@@ -85,13 +92,12 @@ def test_fuse_qkv_is_refused_where_diffusers_fused_sd3_attention_computes_anothe
     and takes no image-only attention (SD3.5 Medium's attn2: the call fails): such a transformer is
     refused by the pass's check, which runs before the build captures anything; SD3's own is fused
     exactly."""
-    import json
 
     import diffusers
 
     from aotbuild.builder.optimize import check_passes
 
-    config = json.loads((TARGETS / "configs" / "tiny-sd3" / "transformer" / "config.json").read_text())
+    config = tiny_config("tiny-sd3", "transformer")
     torch.manual_seed(0)
     model = diffusers.SD3Transformer2DModel.from_config({**config, **change}).eval()
     generator = torch.Generator().manual_seed(1)
@@ -121,19 +127,18 @@ def test_fuse_qkv_is_refused_where_diffusers_fused_sd3_attention_computes_anothe
 def test_fuse_qkv_is_refused_where_it_would_replace_another_attention_processor():
     """Fusing puts the fused SD3 processor on every attention: one that runs another (PAG's joint
     attention) would lose it; an SD3 ControlNet of the plain form fuses."""
-    import json
 
     import diffusers
 
     from aotbuild.builder.optimize import check_passes
 
-    config = json.loads((TARGETS / "configs" / "tiny-sd3" / "transformer" / "config.json").read_text())
+    config = tiny_config("tiny-sd3", "transformer")
     model = diffusers.SD3Transformer2DModel.from_config(config)
     model.set_attn_processor(diffusers.models.attention_processor.PAGJointAttnProcessor2_0())
     with pytest.raises(TargetError, match="transformer_blocks.0.attn runs PAGJointAttnProcessor2_0, which fusing "
                                           "would replace"):
         check_passes({"transformer": model}, {"fuse_qkv": True})
-    controlnet = json.loads((TARGETS / "configs" / "tiny-sd3-controlnet" / "controlnet" / "config.json").read_text())
+    controlnet = tiny_config("tiny-sd3-controlnet", "controlnet")
     check_passes({"controlnet": diffusers.SD3ControlNetModel.from_config(controlnet)}, {"fuse_qkv": True})
 
 

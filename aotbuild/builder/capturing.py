@@ -224,9 +224,11 @@ def _check_controlnet_form(controlnet: Any, pipeline: str) -> None:
     pipeline cannot call (an SD3 ControlNet taking a mask, or none, in the other SD3 pipeline)."""
     import diffusers
 
-    extra = dict(controlnet.config).get("extra_conditioning_channels") or 0
-    masked = type(controlnet).__name__ == "SD3ControlNetModel" and inpaints_control_image(getattr(diffusers, pipeline))
-    if type(controlnet).__name__ == "SD3ControlNetModel" and extra != (1 if masked else 0):
+    config = dict(controlnet.config)
+    extra = config.get("extra_conditioning_channels") or 0
+    sd3 = type(controlnet).__name__ == "SD3ControlNetModel"
+    masked = sd3 and inpaints_control_image(getattr(diffusers, pipeline))
+    if sd3 and extra != int(masked):  # an inpainting pipeline gives one channel beside the image: the mask
         if not masked:
             raise BuildError(f"the ControlNet inpaints: it takes a mask beside the image (extra_conditioning_channels "
                              f"= {extra}), which {pipeline} does not give it",
@@ -235,7 +237,7 @@ def _check_controlnet_form(controlnet: Any, pipeline: str) -> None:
                          f"{extra}), and {pipeline} gives its ControlNet the masked image with one: the mask",
                          hint="build it as a StableDiffusion3ControlNetPipeline target, or with an inpainting "
                               "ControlNet (Alimama's, extra_conditioning_channels = 1)")
-    if dict(controlnet.config).get("use_pos_embed") is False:
+    if config.get("use_pos_embed") is False:
         raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
                          "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",
                          hint="build a ControlNet with a position embedding of its own (InstantX's SD3 ControlNets)")

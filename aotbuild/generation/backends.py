@@ -298,6 +298,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
         marks.append(time.perf_counter())
         return kwargs
 
+    def sized(picture: Any) -> Any:  # a picture the call takes, at the call's size where it gives one
+        return picture.resize((width, height)) if height and width else picture
+
     call: dict[str, Any] = {"num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
                             "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, FRAMES: frames,
                             TEXT: text}
@@ -332,9 +335,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                                 hint=f"give --image once; {', '.join(EDITS_SEVERAL)} edits several together")
         # Qwen-Image-Edit sizes its call from the image's aspect ratio: resizing it would squash it.
         sized_by_image = type(pipe).__name__ in SIZED_BY_IMAGE
-        call["image"] = image.resize((width, height)) if height and width and not sized_by_image else image
+        call["image"] = image if sized_by_image else sized(image)
         if mask is not None:
-            call["mask_image"] = mask.resize((width, height)) if height and width else mask
+            call["mask_image"] = sized(mask)
         call["strength"] = strength
     taken = inspect.signature(type(pipe).__call__).parameters
     step = frames_step(pipe)
@@ -348,9 +351,9 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
         raise AotbuildError(f"{type(pipe).__name__} needs a control image (the ControlNet's condition: edges, depth, "
                             f"pose...): give one (--control-image)")
     if control is not None:
-        call[control_argument] = control.resize((width, height)) if height and width else control
+        call[control_argument] = sized(control)
         if masks_control:
-            call["control_mask"] = mask.resize((width, height)) if height and width else mask
+            call["control_mask"] = sized(mask)
         call["control_mode"] = _checked_mode(pipe, control_mode)
     elif control_mode is not None:
         raise AotbuildError("a control mode goes with a control image (--control-image)")

@@ -309,6 +309,7 @@ CONTROLNET = ComponentSpec(
     class_checked=True,
 )
 
+
 def union_modes(config: Mapping[str, Any]) -> int | None:
     """How many control modes a ControlNet-Union's config gives it (Flux's `num_mode`, SDXL's
     ControlNetUnionModel's `num_control_type`); None: not a union."""
