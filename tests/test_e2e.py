@@ -408,8 +408,9 @@ def test_a_denoising_loop_that_drifts_fails_the_build_though_each_call_is_within
     """Each variant is checked on single calls; the build also runs a short denoising loop, eager
     float32 at capture and compiled at the end (the artifact loaded as a load loads it), and holds
     its final latents to the same tolerance: an error that grows over the steps fails the build."""
-    from aotbuild.builder.capturing import LOOP_STEPS, Loop, capture_all
+    from aotbuild.builder.capturing import Loop, capture_all
     from aotbuild.builder.plan import plan_target
+    from aotbuild.builder.targets import LOOP_STEPS
     from aotbuild.builder.validate import validate_loop
     from aotbuild.errors import NumericsError
     from aotbuild.spec.pipelines import pipeline_spec

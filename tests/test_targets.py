@@ -89,7 +89,7 @@ def test_every_shipped_target_serves_the_pipelines_default_call():
         assert covered or any(b.height == b.width for b in target.shapes), target.name
 
 
-@pytest.mark.parametrize("name", ["h100-sdxl", "cpu-tiny-sd15", "cpu-tiny-sdxl-int8"])
+@pytest.mark.parametrize("name", ["h100-sdxl", "cpu-tiny-sd15", "cpu-tiny-sdxl-int8", "cpu-tiny-wan"])
 def test_round_trip_through_dict(name):
     target = load_target(TARGETS / f"{name}.toml")
     again = Target.from_dict(target.to_dict(), base_dir=target.base_dir)
@@ -108,6 +108,8 @@ def test_lookup_by_name_lists_known(tmp_path):
 
 
 BAD = [
+    ('validation_steps = 0\n' + GOOD, r"'validation_steps' = 0: the build's denoising loop takes at least 1 step"),
+    ('validation_steps = 1.5\n' + GOOD, r"'validation_steps' must be a whole number of denoising steps"),
     ('colour = "red"\n' + GOOD, r"unknown key 'colour'; allowed: name, description"),
     (GOOD.replace('pipeline = "StableDiffusionXLPipeline"\n', ""), r"missing required key 'pipeline'"),
     (GOOD.replace("height = 64", "height = 66"), r"'shapes\[0\].height' = 66 is not a multiple of 4"),

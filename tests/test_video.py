@@ -71,7 +71,9 @@ def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
         assert share["steps"] == 50 and share["decode_s"] > 0 and share["denoiser_step_s"] > 0
         assert share["share"] == pytest.approx(share["decode_s"] / (share["decode_s"] + 50 * share["denoiser_step_s"]),
                                                abs=2e-4)
+    assert built.manifest["validation"]["loop"]["steps"] == 1  # the target's validation_steps
     result = CliRunner().invoke(main, ["inspect", str(built.folder)])
+    assert "loop       1 step at b1_32x48_9f, compiled vs eager float32" in result.output
     assert "eager      vae (AutoencoderKLWan) runs eager: AutoencoderKLWan is not one of the VAEs" in result.output
 
 

@@ -138,13 +138,10 @@ def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, heigh
     return extras
 
 
-LOOP_STEPS = 3  # a short loop: long enough for an error to grow over steps, short at any size
-
-
 @dataclass
 class Loop:
     """A short denoising loop the build runs eager float32 at capture (at `point`, for `steps`
-    steps, or as many as the capture needed for every model to be called) and again compiled:
+    steps: the target's `validation_steps`, or as many as the capture needed for every model to be called) and again compiled:
     the pipeline call it made (`arguments`) and its final latents (`latents`). A single call
     within tolerance can still drift over steps: the loop shows it."""
 

@@ -41,7 +41,6 @@ from ..spec.manifest import (
 from ..spec.pipelines import UNCURATED, frames_step, pipeline_spec
 from . import capture, export, optimize, regions
 from .capturing import (
-    LOOP_STEPS,
     Loop,
     capture_all,
     default_pixels,
@@ -173,7 +172,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     eager_vae = eager_vae_record(pipe, spec, specs)
     denoiser = next((s for s in specs if s.denoiser), None)
     # The short denoising loop: at the denoiser's first variant's export point, eager now, compiled at the end.
-    loop = Loop(plans[denoiser.name][0].points[0], LOOP_STEPS) if denoiser else None
+    loop = Loop(plans[denoiser.name][0].points[0], target.validation_steps) if denoiser else None
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
                                                        instances, timed=eager_vae and eager_vae.pop("timed"),

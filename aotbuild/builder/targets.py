@@ -29,11 +29,13 @@ DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
-    "controlnet", "ip_adapter", "image_encoder",
+    "controlnet", "ip_adapter", "image_encoder", "validation_steps",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
 # code between blocks running eager).
 COMPILE_MODES = ("whole", "regional")
+# The build's denoising loop, by default: long enough for an error to grow over steps, short at any size.
+LOOP_STEPS = 3
 # Which denoiser batches the variants serve: with classifier-free guidance (2 x images), without
 # it (guidance_scale <= 1: turbo, LCM, lightning checkpoints), or both on one artifact.
 GUIDANCE_MODES = ("both", "guided", "unguided")
@@ -115,6 +117,9 @@ class Target:
     # Where the IP-Adapter's image encoder comes from when the pipeline has none and the adapter's repo
     # holds none beside it (XLabs' Flux adapter: openai/clip-vit-large-patch14): a Hub repo or folder.
     image_encoder: str | None = None
+    # The denoising loop the build runs eager float32 and compiled, whose final latents it compares
+    # (`capturing.Loop`): fewer steps for a model whose float32 call takes minutes on the build machine.
+    validation_steps: int = LOOP_STEPS
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -141,6 +146,8 @@ class Target:
         for key in ("controlnet", "ip_adapter", "image_encoder"):  # likewise
             if data[key] is None:
                 del data[key]
+        if self.validation_steps == LOOP_STEPS:  # likewise
+            del data["validation_steps"]
         return data
 
     @classmethod
@@ -337,6 +344,11 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         _expect(origin, "revision", revision, str, "a string")
     seed = _expect(origin, "seed", raw.get("seed", 0), int, "an integer")
     guidance, guidance_mode = _parse_guidance(origin, raw, spec)
+    validation_steps = _expect(origin, "validation_steps", raw.get("validation_steps", LOOP_STEPS), int,
+                               "a whole number of denoising steps (at least 1)")
+    if validation_steps < 1:
+        raise TargetError(f"{origin}: key 'validation_steps' = {validation_steps}: the build's denoising loop "
+                          f"takes at least 1 step", hint=f"the default is {LOOP_STEPS}")
 
     try:
         stride = pixel_stride(spec, source, base_dir)
@@ -392,7 +404,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         tiling=tuple(c for c, options in components.items() if options.get("tiling")), dynamic=dynamic,
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
-        controlnet=controlnet, ip_adapter=ip_adapter, image_encoder=image_encoder, base_dir=base_dir,
+        controlnet=controlnet, ip_adapter=ip_adapter, image_encoder=image_encoder,
+        validation_steps=validation_steps, base_dir=base_dir,
     )
 
 
