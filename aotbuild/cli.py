@@ -805,7 +805,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
     total = sum(f["bytes"] for f in m["files"].values())
     lines.append(f"  {'total':<26} {_mib(total):>10}")
     if loop := m.get("validation", {}).get("loop"):
-        lines.append(f"loop       {loop['steps']} step{'s' * (loop['steps'] != 1)} at {loop['at']}, compiled vs eager float32: {loop['compared']} "
+        steps = f"{loop['steps']} step{'s' * (loop['steps'] != 1)}"
+        lines.append(f"loop       {steps} at {loop['at']}, compiled vs eager float32: {loop['compared']} "
                      f"rel.err {loop['max_rel_error']:.2e} L2 {loop['rel_l2_error']:.2e} (tol {loop['tolerance']})")
     lines.append("timings    " + "  ".join(f"{k} {v:.1f}s" for k, v in m["timings"].items()))
     if m.get("peak_rss_mib"):

@@ -443,3 +443,45 @@ def test_a_cropped_table_is_a_recipe_too():
         new.mul_(2)  # written in place: seen through the view
     assert prepared.refresh() == {}
     torch.testing.assert_close(anew.reshape(-1), new[:, 2:10].reshape(-1))
+
+
+def _rotary_grid(table: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary table for a grid of 2 x 3 x 4 positions, in miniature."""
+    f, h, w = table.split([4, 4, 4], dim=1)
+    return torch.cat([f[:2].view(2, 1, 1, -1).expand(2, 3, 4, -1), h[:3].view(1, 3, 1, -1).expand(2, 3, 4, -1),
+                      w[:4].view(1, 1, 4, -1).expand(2, 3, 4, -1)], dim=-1).reshape(24, 12)
+
+
+def test_a_rotary_table_split_and_concatenated_is_a_recipe_too():
+    """Wan's rotary embedding splits its stored tables by axis (frames, height, width), takes each
+    axis's first positions, broadcasts them over the grid and concatenates them: freezing folds it
+    all into a constant, whose recipe does the same from the bound tables (found building Wan 2.1
+    1.3B, whose compile stopped on the concatenation). A copy, not a view: an in-place write of a
+    table remakes it."""
+    from aotbuild.builder import export
+    from aotbuild.builder.optimize import inductor_flags
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(16, 12))
+            self.proj = torch.nn.Linear(12, 12)
+
+        def forward(self, x):
+            return self.proj(x * _rotary_grid(self.table))
+
+    torch.manual_seed(0)
+    program = torch.export.export(Rotary().eval(), (torch.randn(24, 12),))
+    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    tables = [r for r in recipes.values() if sources(r) == {"table"}]
+    assert len(tables) == 1 and {"aten.cat.default", "operator.getitem", "aten.expand.default"} <= \
+        set(re.findall(r'"op": "([^"]+)"', json.dumps(tables[0])))
+    other = torch.randn(16, 12)
+    torch.testing.assert_close(prepare(tables[0], {"table": other}), _rotary_grid(other))
+    prepared = PreparedConstants({"_frozen_param0": tables[0]}, {"table": other}, "p.pt2")
+    assert "table" in prepared.copied
+    with torch.no_grad():
+        other.mul_(2)
+    remade = prepared.refresh()
+    assert list(remade) == ["_frozen_param0"]
+    torch.testing.assert_close(remade["_frozen_param0"], _rotary_grid(other))

@@ -77,6 +77,32 @@ def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
     assert "eager      vae (AutoencoderKLWan) runs eager: AutoencoderKLWan is not one of the VAEs" in result.output
 
 
+def test_the_capture_decodes_only_where_it_times_the_decode(wan):
+    """An eager VAE's decode is timed at each bucket's first capture (its share of a generation,
+    above); the other captures (the unguided calls here) stop at the latents: a video VAE's float32
+    decode takes minutes at real size (Wan 2.1 1.3B's at 480x832 px, 9 frames: ~4 min)."""
+    from aotbuild.builder.capturing import capture_all, eager_vae_record
+    from aotbuild.builder.plan import plan_target
+    from aotbuild.spec.pipelines import frames_step, pipeline_spec
+
+    target = wan[0]
+    pipe = eager_pipeline(target)
+    spec = pipeline_spec(target.pipeline)
+    specs = [spec.component(name) for name in target.components]
+    points, plans = plan_target(target, spec, specs, pipe.vae, frames_step(pipe))
+    decoded = []
+    pipe.vae.decode = lambda latents, *args, decode=pipe.vae.decode, **kwargs: (
+        decoded.append(tuple(latents.shape)), decode(latents, *args, **kwargs))[1]
+    timed = eager_vae_record(pipe, spec, specs)["timed"]
+    first = [plan.points[0] for plan in plans["transformer"]]
+    _, _, seconds = capture_all(pipe, spec, specs, target, points, torch.device("cpu"), lambda stage, message: None,
+                                timed=timed, timed_points=first)
+    assert sorted(points) == ["b1_32x32_5f", "b1_32x32_5f:unguided", "b1_32x48_9f", "b1_32x48_9f:unguided"]
+    assert decoded == [(1, 4, 5, 8, 12), (1, 4, 3, 8, 8)]  # the buckets' first points alone
+    assert all(seconds[p]["decode"] > 0 for p in first)
+    assert all("decode" not in seconds[p] and seconds[p]["steps"] == 1 for p in points if p not in first)
+
+
 @pytest.mark.parametrize(("call", "variant"), [
     ({}, "b1_32x48_9f"),
     ({"height": 32, "width": 32, "num_frames": 5}, "b1_32x32_5f"),

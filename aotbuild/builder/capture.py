@@ -163,13 +163,16 @@ def capture_inputs(
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
     extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None, frames: int | None = None,
     timed_methods: dict[str, tuple[torch.nn.Module, str]] | None = None, timings: dict[str, float] | None = None,
+    decodes: bool = True,
 ) -> dict[str, CapturedCall]:
     """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
     `image`: the size of the image an editing call takes; `frames`: a video's) and return the inputs of each component
     it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
     and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
-    the run whose calls are returned, and that run's `steps`."""
+    the run whose calls are returned, and that run's `steps`. `decodes=False`: the run stops at the
+    latents where the pipeline can return them (nothing recorded or timed in the decode: a video
+    VAE's decode in float32 takes minutes at real size)."""
     specs = [s for s in specs if s.recorded]
     arguments = call_arguments(pipe, batch=batch, height=height, width=width, guidance_scale=guidance_scale,
                                text=text, prompt_embeds=prompt_embeds, extras=extras, image=image, frames=frames)
@@ -177,7 +180,7 @@ def capture_inputs(
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
         with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds:
-            run_pipeline(pipe, arguments, steps, "np")
+            run_pipeline_to(pipe, arguments, steps, "np" if decodes else "latent")
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break
@@ -223,6 +226,17 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
             raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
                              f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error
     return result.frames if hasattr(result, "frames") else result.images
+
+
+def run_pipeline_to(pipe: Any, arguments: dict[str, Any], steps: int, output_type: str) -> tuple[Any, str]:
+    """`run_pipeline` for `output_type`, or for images ("np") where the pipeline cannot return its
+    latents: (what it returned, the output type that ran)."""
+    try:
+        return run_pipeline(pipe, arguments, steps, output_type), output_type
+    except (BuildError, TypeError, AttributeError, KeyError):
+        if output_type != "latent":
+            raise
+        return run_pipeline(pipe, arguments, steps, "np"), "np"
 
 
 def random_call(pipe: Any, spec: ComponentSpec, batch: int, height: int, width: int,

@@ -57,13 +57,15 @@ def release_others(pipe: Any, specs: list[ComponentSpec]) -> None:
 
 def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, points: dict[str, CapturePoint],
                  device: torch.device, progress: Progress, blocks: dict[str, torch.nn.Module] | None = None,
-                 timed: dict[str, tuple[torch.nn.Module, str]] | None = None, loop: Loop | None = None,
+                 timed: dict[str, tuple[torch.nn.Module, str]] | None = None, timed_points: Sequence[str] = (),
+                 loop: Loop | None = None,
                  ) -> tuple[dict[str, dict[str, capture.CapturedCall]], dict[str, regions.BlockCalls],
                             dict[str, dict[str, float]]]:
     """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
-    seconds in each of the `timed` methods and the run's steps}, for the point that ran the pipeline):
-    one pipeline call per distinct point for the components the pipeline calls; random inputs for
-    the others (the encoder) and for tiles. At `loop`'s point, also a short denoising loop, whose
+    seconds in each of the `timed` methods (at `timed_points`) and the run's steps}, for the point
+    that ran the pipeline): one pipeline call per distinct point for the components the pipeline
+    calls; random inputs for the others (the encoder) and for tiles. A run decodes its latents only
+    where it records a VAE decoder's call or times the decode. At `loop`'s point, also a short denoising loop, whose
     call and final latents it keeps (`Loop`: the build runs the same loop compiled).
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
@@ -107,8 +109,10 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 with regions.recording(blocks or {}) as block_runs[key]:
-                    runs_done[key] = capture.capture_inputs(pipe, recorded, **shape, timed_methods=timed,
-                                                            timings=seconds.setdefault(name, {}))
+                    methods = timed if name in timed_points else None
+                    runs_done[key] = capture.capture_inputs(
+                        pipe, recorded, **shape, timed_methods=methods, timings=seconds.setdefault(name, {}),
+                        decodes=methods is not None or any(s.part == "decoder" for s in recorded))
             if loop is not None and name == loop.point:
                 loop.steps = max(loop.steps, seconds.get(name, {}).get("steps", 1))  # every model called
                 progress("capture", f"a {loop.steps}-step denoising loop at {point}")
@@ -141,9 +145,9 @@ def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, heigh
 @dataclass
 class Loop:
     """A short denoising loop the build runs eager float32 at capture (at `point`, for `steps`
-    steps: the target's `validation_steps`, or as many as the capture needed for every model to be called) and again compiled:
-    the pipeline call it made (`arguments`) and its final latents (`latents`). A single call
-    within tolerance can still drift over steps: the loop shows it."""
+    steps: the target's `validation_steps`, or as many as the capture needed for every model to be
+    called) and again compiled: the pipeline call it made (`arguments`) and its final latents
+    (`latents`). A single call within tolerance can still drift over steps: the loop shows it."""
 
     point: str
     steps: int
@@ -153,12 +157,9 @@ class Loop:
 
     def run(self, pipe: Any) -> Any:
         """The loop's final latents (on the host) from this pipeline: eager, or compiled."""
-        try:
-            made = capture.run_pipeline(pipe, self.arguments, self.steps, self.output_type)
-        except (BuildError, TypeError, AttributeError, KeyError):
-            if self.output_type != "latent" or self.latents is not None:
-                raise
-            self.output_type = "np"  # a pipeline whose call cannot return its latents
+        if self.latents is None:  # eager: images where the pipeline cannot return its latents
+            made, self.output_type = capture.run_pipeline_to(pipe, self.arguments, self.steps, self.output_type)
+        else:  # compiled: as eager ran
             made = capture.run_pipeline(pipe, self.arguments, self.steps, self.output_type)
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True),
                                     made if self.output_type == "latent" else torch.as_tensor(made))

@@ -374,15 +374,16 @@ def _median_seconds(call: Callable[[], Any], repeats: int = 7) -> float:
 def _fold_step(node: torch.fx.Node) -> dict[str, Any]:
     """The graph node freezing replaces by a constant, as a recipe step (`runtime.prepared`):
     constants it reads are `{"constant": name}` until `_inlined` resolves them."""
-    from ..runtime.prepared import OPERATORS, resolve
+    from ..runtime.prepared import OPERATORS, operator_name, resolve
 
     if node.op == "get_attr":
         return {"constant": node.target}
-    if node.op != "call_function" or str(node.target) not in OPERATORS or resolve(str(node.target)) != node.target:
+    op = operator_name(node.target)
+    if node.op != "call_function" or op not in OPERATORS or resolve(op) != node.target:
         raise BuildError(f"freezing folded {node.op} {node.target} into a constant: not one of the operators a "
                          f"prepared constant's recipe may call (runtime.prepared.OPERATORS)",
                          hint="build without optimize.prepack, or report the operator: the allow-list lacks it")
-    step: dict[str, Any] = {"op": str(node.target), "args": [_fold_argument(a) for a in node.args]}
+    step: dict[str, Any] = {"op": op, "args": [_fold_argument(a) for a in node.args]}
     if node.kwargs:
         step["kwargs"] = {k: _fold_argument(v) for k, v in node.kwargs.items()}
     return step

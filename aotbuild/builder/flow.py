@@ -176,7 +176,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
                                                        instances, timed=eager_vae and eager_vae.pop("timed"),
-                                                       loop=loop)
+                                                       timed_points=[plan.points[0] for plan in plans[denoiser.name]]
+                                                       if eager_vae else (), loop=loop)
     if eager_vae:
         eager_vae["share"] = eager_share(pipe, plans[next(s.name for s in specs if s.denoiser)], seconds)
     found = regions.group(instances, block_calls) if instances else []

@@ -14,6 +14,7 @@ memory_format=channels_last), [1, 1], [1, 1], [1, 1], 1, [2, 320, 16, 16])`.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -23,12 +24,15 @@ from ..spec.private_apis import versions
 
 # The operators a recipe may call, as the build records them: what freezing folds into a weight's
 # prepared form (a layout, a dtype, oneDNN's packing, a constant folded into a convolution, the crop
-# of a position-embedding table: SD3's), and nothing else a manifest might name (no in-place write,
+# of a position-embedding table: SD3's; the rotary table of a video's grid, split and concatenated:
+# Wan's; `operator.getitem` picks one tensor of a split), and nothing else a manifest might name (no in-place write,
 # no allocation of a size it chooses).
 OPERATORS = frozenset({
     "aten.clone.default", "aten.permute.default", "aten.reshape.default", "aten.view.default", "aten.t.default",
-    "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.slice.Tensor", "aten._to_copy.default",
-    "prims.convert_element_type.default", "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
+    "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.slice.Tensor", "aten.expand.default",
+    "aten.split.Tensor", "aten.split_with_sizes.default", "operator.getitem", "aten.cat.default",
+    "aten._to_copy.default", "prims.convert_element_type.default",
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
     "mkldnn._reorder_convolution_weight", "mkldnn._reorder_convolution_transpose_weight",
     "mkldnn._reorder_linear_weight",
 })
@@ -43,6 +47,8 @@ def resolve(op: str) -> Any:
     if op not in OPERATORS:
         raise CorruptArtifactError(f"a prepared constant's recipe calls {op!r}, not one of the operators aotbuild "
                                    f"records ({', '.join(sorted(OPERATORS))})")
+    if op == "operator.getitem":
+        return operator.getitem
     namespace, name, *overload = op.split(".")
     try:
         packet = getattr(getattr(torch.ops, namespace), name)
@@ -50,6 +56,11 @@ def resolve(op: str) -> Any:
     except AttributeError:
         raise CorruptArtifactError(f"a prepared constant's recipe calls {op!r}, which this torch "
                                    f"({torch.__version__}) lacks") from None
+
+
+def operator_name(target: Any) -> str:
+    """How a recipe names the operator an FX node calls (`OPERATORS`)."""
+    return "operator.getitem" if target is operator.getitem else str(target)
 
 
 def sources(recipe: Any) -> set[str]:
