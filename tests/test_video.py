@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -101,6 +102,32 @@ def test_the_capture_decodes_only_where_it_times_the_decode(wan):
     assert decoded == [(1, 4, 5, 8, 12), (1, 4, 3, 8, 8)]  # the buckets' first points alone
     assert all(seconds[p]["decode"] > 0 for p in first)
     assert all("decode" not in seconds[p] and seconds[p]["steps"] == 1 for p in points if p not in first)
+
+
+def test_a_peer_that_cannot_convert_the_model_is_skipped_saying_why(wan, tmp_path):
+    """OpenVINO has no rule for an operator Wan's transformer exports (`aten.empty_permuted`, from
+    its rotary embedding's `empty_like`): the component bench times the rest and says why OpenVINO
+    is not in it (the real-size Wan's bench stopped there on a bare traceback)."""
+    _, built, _, _ = wan
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+
+    def bench(cases):
+        return CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-wan.toml"), "--artifacts",
+                                         str(artifacts), "--component", "transformer", "--cases", cases,
+                                         "--rounds", "1"])
+
+    result = bench("aot,openvino,openvino-f32")
+    assert result.exit_code == 0, result.output
+    document = json.loads((artifacts / built.folder.name / "bench-transformer.json").read_text())
+    reason = "openvino could not convert transformer: No conversion rule found for operations: aten.empty_permuted"
+    assert list(document["runtimes"]) == ["aot"] and document["runtimes"]["aot"]["call_s"] > 0
+    assert list(document["skipped"]) == ["openvino", "openvino-f32"]
+    assert all(why.startswith(reason) for why in document["skipped"].values())
+    assert f"openvino-f32: skipped, {reason}" in result.output
+    result = bench("openvino")
+    assert result.exit_code == 1 and f"error: nothing left to time: openvino: {reason}" in result.output
+    assert "add case aot (or eager) to --cases" in result.output
 
 
 @pytest.mark.parametrize(("call", "variant"), [

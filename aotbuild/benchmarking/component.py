@@ -117,7 +117,8 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
                         against: tuple[str, ...] = (),
                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Prepare each case, check its output, time `rounds` rounds; write and return the document
-    (`bench-<component>.json` in the artifact). A peer that is not installed is skipped, saying why.
+    (`bench-<component>.json` in the artifact). A peer that is not installed, or whose converter
+    refuses the model, is skipped, saying why.
     `against`: other targets built from the same pipeline (another recipe of the component), each
     a case `aot:<target>` of its own artifact's stand-in, paired with the rest.
 
@@ -175,13 +176,26 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         # each peer's conversion as much again): the peers convert from it first, the recipe is made
         # from it in place, and it is freed before anything is loaded.
         for case in (case for _, case, _ in order if case in PEERS and PEERS[case].convert not in converted):
+            if case in skipped:  # its converter already refused the model (openvino and openvino-f32 share one)
+                continue
             say(f"converting for {case}")
             start = time.perf_counter()
             saved = Path(work) / case
             saved.mkdir()
-            PEERS[case].convert(tensor_program(reference, call.args, call.kwargs), saved)
+            try:
+                PEERS[case].convert(tensor_program(reference, call.args, call.kwargs), saved)
+            except Exception as error:  # the peer's own converter refuses the model: timed without it
+                reason = f"{PEERS[case].name} could not convert {component}: {_last_line(error)}"
+                say(reason)
+                skipped |= {c: reason for c in cases if c in PEERS and PEERS[c].convert is PEERS[case].convert}
+                continue
+            finally:
+                free_memory(torch.device("cpu"))
             converted[PEERS[case].convert] = (saved, time.perf_counter() - start)
-            free_memory(torch.device("cpu"))
+        order = [entry for entry in order if entry[1] not in skipped]
+        if not order:
+            raise AotbuildError("nothing left to time: " + "; ".join(f"{c}: {r}" for c, r in skipped.items()),
+                                hint="add case aot (or eager) to --cases")
         before, start = rss_mib(), time.perf_counter()
         recipe = _recipe(target, spec, pipe, reference, call) if {"eager", "compile"} & set(cases) else None
         recipe_rss, recipe_s = rss_mib() - before, time.perf_counter() - start
@@ -225,6 +239,12 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
                 "runtimes": {case: r.figures for case, r in runtimes.items()}, "skipped": skipped}
     write_document(folder / component_bench_name(component), document)
     return document
+
+
+def _last_line(error: BaseException) -> str:
+    """What a peer's error says last (OpenVINO's ends with the operators it has no rule for)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1].removeprefix("-- ") if lines else type(error).__name__
 
 
 def call_flop(module: torch.nn.Module, call: Any) -> float:
