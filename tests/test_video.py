@@ -107,7 +107,8 @@ def test_the_capture_decodes_only_where_it_times_the_decode(wan):
 def test_a_peer_that_cannot_convert_the_model_is_skipped_saying_why(wan, tmp_path):
     """OpenVINO has no rule for an operator Wan's transformer exports (`aten.empty_permuted`, from
     its rotary embedding's `empty_like`): the component bench times the rest and says why OpenVINO
-    is not in it (the real-size Wan's bench stopped there on a bare traceback)."""
+    is not in it (the real-size Wan's bench stopped there on a bare traceback; OpenVINO is pinned in
+    constraints.txt)."""
     _, built, _, _ = wan
     artifacts = tmp_path / "artifacts"
     shutil.copytree(built.folder, artifacts / built.folder.name)

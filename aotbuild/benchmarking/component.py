@@ -182,16 +182,16 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
             start = time.perf_counter()
             saved = Path(work) / case
             saved.mkdir()
+            program = tensor_program(reference, call.args, call.kwargs)  # torch.export's failure is aotbuild's
             try:
-                PEERS[case].convert(tensor_program(reference, call.args, call.kwargs), saved)
+                PEERS[case].convert(program, saved)
+                converted[PEERS[case].convert] = (saved, time.perf_counter() - start)
             except Exception as error:  # the peer's own converter refuses the model: timed without it
                 reason = f"{PEERS[case].name} could not convert {component}: {_last_line(error)}"
                 say(reason)
                 skipped |= {c: reason for c in cases if c in PEERS and PEERS[c].convert is PEERS[case].convert}
-                continue
-            finally:
-                free_memory(torch.device("cpu"))
-            converted[PEERS[case].convert] = (saved, time.perf_counter() - start)
+            del program
+            free_memory(torch.device("cpu"))
         order = [entry for entry in order if entry[1] not in skipped]
         if not order:
             raise AotbuildError("nothing left to time: " + "; ".join(f"{c}: {r}" for c, r in skipped.items()),

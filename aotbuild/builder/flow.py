@@ -173,11 +173,12 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     denoiser = next((s for s in specs if s.denoiser), None)
     # The short denoising loop: at the denoiser's first variant's export point, eager now, compiled at the end.
     loop = Loop(plans[denoiser.name][0].points[0], target.validation_steps) if denoiser else None
+    # An eager VAE's decode is timed at each bucket's first point, for its share of a generation.
+    timed_points = [plan.points[0] for plan in plans[denoiser.name] if plan.kind == "bucket"] if eager_vae else []
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
                                                        instances, timed=eager_vae and eager_vae.pop("timed"),
-                                                       timed_points=[plan.points[0] for plan in plans[denoiser.name]]
-                                                       if eager_vae else (), loop=loop)
+                                                       timed_points=timed_points, loop=loop)
     if eager_vae:
         eager_vae["share"] = eager_share(pipe, plans[next(s.name for s in specs if s.denoiser)], seconds)
     found = regions.group(instances, block_calls) if instances else []

@@ -25,8 +25,8 @@ from ..spec.private_apis import versions
 # The operators a recipe may call, as the build records them: what freezing folds into a weight's
 # prepared form (a layout, a dtype, oneDNN's packing, a constant folded into a convolution, the crop
 # of a position-embedding table: SD3's; the rotary table of a video's grid, split and concatenated:
-# Wan's; `operator.getitem` picks one tensor of a split), and nothing else a manifest might name (no in-place write,
-# no allocation of a size it chooses).
+# Wan's; `operator.getitem` picks one tensor of a split), and nothing else a manifest might name (no
+# in-place write). A recipe's sizes are the artifact's, trusted as its compiled code is.
 OPERATORS = frozenset({
     "aten.clone.default", "aten.permute.default", "aten.reshape.default", "aten.view.default", "aten.t.default",
     "aten.transpose.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.slice.Tensor", "aten.expand.default",
