@@ -175,9 +175,9 @@ def run_component_bench(target_path: str, artifacts_dir: Path, component: str, *
         # At real size the runtimes do not fit beside the float32 reference (SDXL's UNet: 10.3 GB, and
         # each peer's conversion as much again): the peers convert from it first, the recipe is made
         # from it in place, and it is freed before anything is loaded.
-        for case in (case for _, case, _ in order if case in PEERS and PEERS[case].convert not in converted):
-            if case in skipped:  # its converter already refused the model (openvino and openvino-f32 share one)
-                continue
+        # openvino and openvino-f32 share one converter: converted once, or refused once for both.
+        for case in (case for _, case, _ in order
+                     if case in PEERS and case not in skipped and PEERS[case].convert not in converted):
             say(f"converting for {case}")
             start = time.perf_counter()
             saved = Path(work) / case

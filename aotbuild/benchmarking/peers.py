@@ -160,8 +160,7 @@ def reference_call(target: Any, spec: Any) -> tuple[Any, Any, Any]:
         call = capture.capture_inputs(
             pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
             guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,
-            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras,
-            decodes=spec.part == "decoder")[spec.name]
+            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras)[spec.name]
     else:
         call = capture.random_call(pipe, spec, bucket.batch, bucket.height, bucket.width, torch.device("cpu"))
     module = spec.export_module(getattr(pipe, spec.attribute)).eval()

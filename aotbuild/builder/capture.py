@@ -163,24 +163,24 @@ def capture_inputs(
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
     extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None, frames: int | None = None,
     timed_methods: dict[str, tuple[torch.nn.Module, str]] | None = None, timings: dict[str, float] | None = None,
-    decodes: bool = True,
 ) -> dict[str, CapturedCall]:
     """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
     `image`: the size of the image an editing call takes; `frames`: a video's) and return the inputs of each component
     it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
     and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
-    the run whose calls are returned, and that run's `steps`. `decodes=False`: the run stops at the
-    latents where the pipeline can return them (nothing recorded or timed in the decode: a video
-    VAE's decode in float32 takes minutes at real size)."""
+    the run whose calls are returned, and that run's `steps`. The run decodes its latents only where
+    it records a VAE decoder's call or times methods (an eager VAE's decode); else it stops at the
+    latents where the pipeline can return them: a video VAE's float32 decode takes minutes at real size."""
     specs = [s for s in specs if s.recorded]
+    output_type = "np" if timed_methods or any(s.part == "decoder" for s in specs) else "latent"
     arguments = call_arguments(pipe, batch=batch, height=height, width=width, guidance_scale=guidance_scale,
                                text=text, prompt_embeds=prompt_embeds, extras=extras, image=image, frames=frames)
     # A scheduler stretched to a terminal sigma (LTX-Video's shift_terminal) has no 1-step schedule.
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
         with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds:
-            run_pipeline_to(pipe, arguments, steps, "np" if decodes else "latent")
+            run_pipeline_to(pipe, arguments, steps, output_type)
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break

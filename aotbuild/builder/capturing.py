@@ -64,8 +64,8 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
     seconds in each of the `timed` methods (at `timed_points`) and the run's steps}, for the point
     that ran the pipeline): one pipeline call per distinct point for the components the pipeline
-    calls; random inputs for the others (the encoder) and for tiles. A run decodes its latents only
-    where it records a VAE decoder's call or times the decode. At `loop`'s point, also a short denoising loop, whose
+    calls (`capture.capture_inputs`: it decodes only where it records or times the decode); random
+    inputs for the others (the encoder) and for tiles. At `loop`'s point, also a short denoising loop, whose
     call and final latents it keeps (`Loop`: the build runs the same loop compiled).
 
     One group of models is on the device at a time: the text encoders encode the prompt for each
@@ -109,10 +109,9 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 with regions.recording(blocks or {}) as block_runs[key]:
-                    methods = timed if name in timed_points else None
                     runs_done[key] = capture.capture_inputs(
-                        pipe, recorded, **shape, timed_methods=methods, timings=seconds.setdefault(name, {}),
-                        decodes=methods is not None or any(s.part == "decoder" for s in recorded))
+                        pipe, recorded, **shape, timed_methods=timed if name in timed_points else None,
+                        timings=seconds.setdefault(name, {}))
             if loop is not None and name == loop.point:
                 loop.steps = max(loop.steps, seconds.get(name, {}).get("steps", 1))  # every model called
                 progress("capture", f"a {loop.steps}-step denoising loop at {point}")
