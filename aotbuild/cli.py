@@ -828,10 +828,13 @@ def _eager_text(eager: dict[str, Any]) -> list[str]:
     """eager      vae (AutoencoderKLWan): why; decode 0.19 s = 24% of a 50-step generation at b1_32x48_9f"""
     lines = []
     for name, part in eager.items():
-        shares = ", ".join(f"{s['decode_s']:.2f} s decode = {s['share']:.0%} of a {s['steps']}-step generation at "
-                           f"{bucket}" for bucket, s in part.get("share", {}).items())
+        shares = part.get("share", {})
+        timed = ", ".join(f"{s['decode_s']:.2f} s decode = {s['share']:.0%} of a {s['steps']}-step generation at "
+                          f"{bucket}" for bucket, s in shares.items())
+        # artifacts built before 2026-12-07 timed it in float32, whatever the target's dtype
+        dtype = next((s.get("dtype", "float32") for s in shares.values()), "")
         lines.append(f"eager      {name} ({part['class']}) runs eager: {part['reason']}"
-                     + (f"; measured eager float32 at build: {shares}" if shares else ""))
+                     + (f"; measured eager {dtype} at build: {timed}" if timed else ""))
     return lines
 
 

@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from aotbuild.builder.capture import capture_inputs, encode_prompt, recording
+from aotbuild.builder.capture import PendingOutput, capture_inputs, decode_pending, encode_prompt, recording
 from aotbuild.builder.targets import load_target
 from aotbuild.spec.pipelines import pipeline_spec
 
@@ -37,7 +37,27 @@ def test_records_real_calls_with_guidance_doubling_batch(pipe, specs):
     assert unet.output.shape == sample.shape
     vae = calls["vae_decoder"]
     assert vae.kwargs == {} and vae.args[0].shape == (2, 4, 32, 48)
-    assert vae.output.shape == (2, 3, 64, 96)
+    assert isinstance(vae.output, PendingOutput)  # decoded later (below)
+
+
+def test_the_decoders_call_is_recorded_undecoded_then_decoded_as_the_pipeline_would(pipe, specs, monkeypatch):
+    """The run ends at the VAE decoder's call, the last the capture records: its output is decoded
+    later (`decode_pending`, by the build once its float32 denoiser is cast: SDXL at 1024x1024 px
+    decoded 4 GiB of float32 activations beside a 10 GiB float32 UNet), exactly as the call would
+    have decoded it, once for the points sharing the run."""
+    decoded = []
+    decode = pipe.vae.decode
+    monkeypatch.setattr(pipe.vae, "decode", lambda *args, **kwargs: (decoded.append(1), decode(*args, **kwargs))[1])
+    calls = capture_inputs(pipe, specs, batch=1, height=64, width=96, guidance_scale=5.0)
+    assert decoded == [] and "unet" in calls
+    reference = {"b1_64x96": calls, "b1_64x96:one": dict(calls)}
+    decode_pending(reference, specs[1], pipe.vae)
+    assert decoded == [1]
+    latents = calls["vae_decoder"].args[0]
+    expected = decode(latents, return_dict=False)[0]
+    for point in reference.values():
+        assert point["vae_decoder"].output.shape == (1, 3, 64, 96)
+        assert torch.equal(point["vae_decoder"].output, expected)
 
 
 def test_without_guidance_batch_is_not_doubled(pipe, specs):
@@ -75,6 +95,8 @@ def test_capture_from_prompt_embeddings_equals_capture_from_the_prompt(name):
     embeds = encode_prompt(pipe, spec, batch=bucket.batch, guidance_scale=target.guidance_scale,
                            device=torch.device("cpu"))
     from_embeds = capture_inputs(pipe, specs, **shape, prompt_embeds=embeds)
+    for calls in (from_prompt, from_embeds):
+        decode_pending({"bucket": calls}, spec.component("vae_decoder"), pipe.vae)
     assert set(from_prompt) == set(from_embeds) == set(target.components) - {"vae_encoder"}  # img2img's only
     for component in from_prompt:
         a, b = from_prompt[component], from_embeds[component]

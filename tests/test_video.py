@@ -70,12 +70,14 @@ def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
     for bucket in variants:  # measured at the build: the decode against 50 eager denoising steps (seconds to 1 us)
         share = vae["share"][bucket]
         assert share["steps"] == 50 and share["decode_s"] > 0 and share["denoiser_step_s"] > 0
+        assert share["dtype"] == "float32"  # the target's: timed in the reference capture
         assert share["share"] == pytest.approx(share["decode_s"] / (share["decode_s"] + 50 * share["denoiser_step_s"]),
                                                abs=2e-4)
     assert built.manifest["validation"]["loop"]["steps"] == 1  # the target's validation_steps
     result = CliRunner().invoke(main, ["inspect", str(built.folder)])
     assert "loop       1 step at b1_32x48_9f, compiled vs eager float32" in result.output
     assert "eager      vae (AutoencoderKLWan) runs eager: AutoencoderKLWan is not one of the VAEs" in result.output
+    assert "; measured eager float32 at build: " in result.output
 
 
 def test_the_capture_decodes_only_where_it_times_the_decode(wan):
@@ -102,6 +104,27 @@ def test_the_capture_decodes_only_where_it_times_the_decode(wan):
     assert decoded == [(1, 4, 5, 8, 12), (1, 4, 3, 8, 8)]  # the buckets' first points alone
     assert all(seconds[p]["decode"] > 0 for p in first)
     assert all("decode" not in seconds[p] and seconds[p]["steps"] == 1 for p in points if p not in first)
+
+
+def test_a_bf16_build_times_the_eager_vae_in_bf16_not_beside_the_float32_reference(tmp_path, monkeypatch):
+    """The eager VAE's share is timed in the target's dtype, as it decodes at generation: in the
+    capture of the bf16 pipeline's example inputs, not in the float32 reference, which does not
+    decode at all (at real size a video VAE's float32 decode sat beside the float32 pipeline: Wan
+    2.1 1.3B's build peaked at 5.6x its weights)."""
+    from diffusers import AutoencoderKLWan
+
+    target = load_target(TARGETS / "cpu-tiny-wan.toml")
+    target = dataclasses.replace(target, name="wan-bf16", dtype="bfloat16", shapes=target.shapes[1:])
+    decoded = []
+    decode = AutoencoderKLWan.decode
+    monkeypatch.setattr(AutoencoderKLWan, "decode", lambda vae, latents, *args, **kwargs: (
+        decoded.append((vae.dtype, tuple(latents.shape))), decode(vae, latents, *args, **kwargs))[1])
+    built = build(target, tmp_path)
+    assert decoded == [(torch.bfloat16, (1, 4, 3, 8, 8))]  # the bucket's first point, once
+    share = built.manifest["eager"]["vae"]["share"]["b1_32x32_5f"]
+    assert share["dtype"] == "bfloat16" and share["decode_s"] > 0 and share["denoiser_step_s"] > 0
+    result = CliRunner().invoke(main, ["inspect", str(built.folder)])
+    assert "; measured eager bfloat16 at build: " in result.output, result.output
 
 
 def test_a_peer_that_cannot_convert_the_model_is_skipped_saying_why(wan, tmp_path):

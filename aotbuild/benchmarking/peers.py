@@ -157,10 +157,12 @@ def reference_call(target: Any, spec: Any) -> tuple[Any, Any, Any]:
     bucket = target.shapes[0]
     if spec.recorded:
         extras = call_extras(pipe, pipeline, target, bucket.batch, bucket.height, bucket.width, bucket.images)
-        call = capture.capture_inputs(
+        calls = {"reference": capture.capture_inputs(
             pipe, [spec], batch=bucket.batch, height=bucket.height, width=bucket.width,
             guidance_scale=UNGUIDED if target.guidance == "unguided" else target.guidance_scale,
-            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras)[spec.name]
+            text=bucket.max_sequence_length, image=bucket.image, frames=bucket.frames, extras=extras)}
+        capture.decode_pending(calls, spec, getattr(pipe, spec.attribute))  # a VAE decoder's call, recorded undecoded
+        call = calls["reference"][spec.name]
     else:
         call = capture.random_call(pipe, spec, bucket.batch, bucket.height, bucket.width, torch.device("cpu"))
     module = spec.export_module(getattr(pipe, spec.attribute)).eval()

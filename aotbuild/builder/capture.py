@@ -34,8 +34,30 @@ class CapturedCall:
         return CapturedCall(args, kwargs, output)
 
 
+@dataclass
+class PendingOutput:
+    """A VAE decoder's output not computed yet: the call as the pipeline made it, for
+    `decode_pending` (a leaf to `CapturedCall.to`: its tensors stay where the capture ran)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _DecoderReached(BaseException):
+    """Ends a capture's pipeline run at its VAE decoder's call, once every other recorded model has
+    been called: control flow, not an error (a BaseException, which no pipeline's `except
+    Exception` takes for its own)."""
+
+
 def detached(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
+
+
+def _recorded_output(spec: ComponentSpec, output: Any) -> Any:
+    """What a call of `spec`'s method returned, as the exported module returns it."""
+    if len(spec.output_fields) > 1:  # every output (a ControlNet's residuals, at the call's scale 1)
+        return tuple(output) if isinstance(output, tuple) else output.to_tuple()
+    return output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
 
 
 @contextlib.contextmanager
@@ -61,7 +83,11 @@ def patched_methods(methods: dict[str, tuple[Any, str]],
 
 @contextlib.contextmanager
 def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, CapturedCall]]:
-    """Within the block, the first call of each spec's method on the pipeline is recorded."""
+    """Within the block, the first call of each spec's method on the pipeline is recorded. A VAE
+    decoder's call, once every other spec's is recorded, is recorded without running and ends the
+    run (`_DecoderReached`), its output a `PendingOutput`: decoded later by `decode_pending`, where
+    the float32 denoiser no longer sits beside the float32 decode's activations (SDXL at 1024x1024
+    px: 4 GiB of them beside a 10 GiB UNet)."""
     calls: dict[str, CapturedCall] = {}
     by_name = {spec.name: spec for spec in specs}
 
@@ -69,14 +95,14 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
         spec = by_name[name]
 
         def record(*args: Any, **kwargs: Any) -> Any:
-            output = original(*args, **kwargs)
+            last = spec.part == "decoder" and name not in calls and calls.keys() >= by_name.keys() - {name}
+            output = None if last else original(*args, **kwargs)
             if name not in calls:
                 call_args, call_kwargs = detached(spec.call_inputs(args, kwargs))
-                if len(spec.output_fields) > 1:  # every output (a ControlNet's residuals, at the call's scale 1)
-                    sample = tuple(output) if isinstance(output, tuple) else output.to_tuple()
-                else:
-                    sample = output[0] if isinstance(output, tuple) else getattr(output, "sample", output)
-                calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), detached(sample))
+                sample = PendingOutput(*detached((args, kwargs))) if last else detached(_recorded_output(spec, output))
+                calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), sample)
+            if last:
+                raise _DecoderReached
             return output
 
         return record
@@ -180,7 +206,10 @@ def capture_inputs(
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
         with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds:
-            run_pipeline_to(pipe, arguments, steps, output_type)
+            try:
+                run_pipeline_to(pipe, arguments, steps, output_type)
+            except _DecoderReached:
+                pass
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break
@@ -190,6 +219,25 @@ def capture_inputs(
     if timings is not None:
         timings.update(seconds, steps=steps)
     return calls
+
+
+def decode_pending(calls: dict[str, dict[str, CapturedCall]], spec: ComponentSpec, module: torch.nn.Module) -> None:
+    """Compute, with `module` (the VAE as it was captured), the outputs `recording` left pending for
+    `spec` (a VAE decoder) in `calls` ({point: {component: CapturedCall}}), in place: each on the
+    device of the module, then where its call's inputs wait. Points sharing a run share a decode."""
+    device = next(module.parameters()).device
+    done: dict[int, Any] = {}
+    for point_calls in calls.values():
+        call = point_calls.get(spec.name)
+        if call is None or not isinstance(call.output, PendingOutput):
+            continue
+        if id(call.output) not in done:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
+                                                (call.output.args, call.output.kwargs))
+            with torch.no_grad():
+                done[id(call.output)] = detached(_recorded_output(spec, getattr(module, spec.method)(*args, **kwargs)))
+        where = next(t.device for t in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor))
+        point_calls[spec.name] = CapturedCall(call.args, call.kwargs, done[id(call.output)].to(where))
 
 
 def call_arguments(pipe: Any, *, batch: int, height: int, width: int, guidance_scale: float,

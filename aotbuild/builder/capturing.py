@@ -166,7 +166,7 @@ class Loop:
 
 def eager_vae_record(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) -> dict[str, Any] | None:
     """Why the pipeline's VAE decodes eager where no part of it is compiled, and the methods whose
-    time the reference capture measures for `eager_share` (None: a VAE part is compiled, or no VAE)."""
+    time a capture measures for `eager_share` (None: a VAE part is compiled, or no VAE)."""
     vae = getattr(pipe, "vae", None)
     if vae is None or not any(s.denoiser for s in specs) or any(s.attribute == "vae" for s in specs):
         return None
@@ -179,10 +179,11 @@ def eager_vae_record(pipe: Any, spec: PipelineSpec, specs: list[ComponentSpec]) 
     return {"class": type(vae).__name__, "reason": reason, "timed": {"decode": (vae, "decode"), **denoisers}}
 
 
-def eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """The eager VAE's share of a generation at each of the denoiser's buckets (`plans`), from the
-    reference capture (eager float32 on the build machine, one step unless a model is called later):
-    decode / (decode + the denoisers' seconds per step x the pipeline's default number of steps)."""
+def eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str, float]],
+                dtype: str) -> dict[str, Any]:
+    """The eager VAE's share of a generation at each of the denoiser's buckets (`plans`), from a
+    capture in the target's `dtype` (eager on the build machine, one step unless a model is called
+    later): decode / (decode + the denoisers' seconds per step x the pipeline's default number of steps)."""
     parameter = inspect.signature(type(pipe).__call__).parameters.get("num_inference_steps")
     steps = parameter.default if parameter is not None and isinstance(parameter.default, int) else 50
     shares = {}
@@ -192,7 +193,7 @@ def eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str
         step = sum(measured.values()) / runs if runs else 0.0  # every denoiser call of a step
         if plan.kind == "bucket" and step > 0:
             shares[plan.name] = {"decode_s": round(decode, 6), "denoiser_step_s": round(step, 6), "steps": steps,
-                                 "share": round(decode / (decode + steps * step), 4)}
+                                 "share": round(decode / (decode + steps * step), 4), "dtype": dtype}
     return shares
 
 

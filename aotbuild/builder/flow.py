@@ -1,7 +1,8 @@
 """One build: target -> artifact folder. Read top to bottom, this is the whole flow:
 
-load -> capture (fp32 eager reference) -> optimize -> capture (example inputs) -> export ->
-compile -> package (+ weights) -> validate (compiled vs reference) -> manifest -> rename into place.
+load -> capture (fp32 eager reference) -> optimize -> capture (example inputs) -> the VAE
+decoder's fp32 reference -> export -> compile -> package (+ weights) -> validate (compiled vs
+reference) -> manifest -> rename into place.
 
 A file per step: `transaction` (lock, staging, swap, recovery), `plan` (capture points and
 variants), `capturing` (load, capture, passes), `packaging` (export, compile, package one
@@ -15,6 +16,7 @@ failed or killed build leaves the previous artifact untouched.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import shutil
@@ -173,14 +175,17 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     denoiser = next((s for s in specs if s.denoiser), None)
     # The short denoising loop: at the denoiser's first variant's export point, eager now, compiled at the end.
     loop = Loop(plans[denoiser.name][0].points[0], target.validation_steps) if denoiser else None
-    # An eager VAE's decode is timed at each bucket's first point, for its share of a generation.
+    # An eager VAE's decode is timed at each bucket's first point, for its share of a generation, in
+    # the target's dtype, as it runs at generation: in the capture of the optimized pipeline's example
+    # inputs where the dtype changes (that capture runs at every plan's first point), else here. Not
+    # beside the float32 pipeline: Wan 2.1 1.3B's float32 decode of 9 frames at 480x832 px, ~8 GiB.
+    timed = eager_vae.pop("timed") if eager_vae else None
     timed_points = [plan.points[0] for plan in plans[denoiser.name] if plan.kind == "bucket"] if eager_vae else []
+    timed_later = target.dtype != "float32"
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
-                                                       instances, timed=eager_vae and eager_vae.pop("timed"),
+                                                       instances, timed=None if timed_later else timed,
                                                        timed_points=timed_points, loop=loop)
-    if eager_vae:
-        eager_vae["share"] = eager_share(pipe, plans[next(s.name for s in specs if s.denoiser)], seconds)
     found = regions.group(instances, block_calls) if instances else []
     for point, record in block_calls.items():
         reference[point] |= {r.name: regions.region_call(r, record) for r in found}
@@ -197,12 +202,20 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
             for s in specs}
     dims |= {r.name: {plan.name: variant_dims(r.name, plan, reference, points) for plan in plans[regional.name]}
              for r in found}
+    # The capture recorded the VAE decoder's calls without decoding (`capture.recording`): they are
+    # decoded by the VAE as captured (float32), once the denoiser is cast to the target's dtype.
+    decoder = next((s for s in specs if s.part == "decoder"), None)
+    pending = decoder and any(isinstance(getattr(calls.get(decoder.name), "output", None), capture.PendingOutput)
+                              for calls in reference.values())
+    captured_vae = copy.deepcopy(getattr(pipe, decoder.attribute)) if pending else None
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
     if records["changes_inputs"]:
         with stages("capture", "example inputs of the optimized pipeline"):
-            optimized, block_calls, _ = capture_all(pipe, spec, specs, target, {n: points[n] for n in examples},
-                                                     device, stages.progress, instances)
+            optimized, block_calls, timings = capture_all(
+                pipe, spec, specs, target, {n: points[n] for n in examples}, device, stages.progress, instances,
+                timed=timed if timed_later else None, timed_points=timed_points)
+            seconds = timings if timed_later else seconds
             for name, record in block_calls.items():  # the optimized blocks' calls, by region
                 optimized[name] |= {r.name: regions.region_call(r, record) for r in found}
         examples = {name: {c: capture.CapturedCall(*optimize.adapt_example_inputs(
@@ -210,6 +223,13 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
                         optimized[name].items()}
                     for name in examples}
         del optimized
+    if eager_vae:
+        eager_vae["share"] = eager_share(pipe, plans[denoiser.name], seconds, target.dtype)
+    if captured_vae is not None:
+        free_memory(device)  # the float32 denoiser's pages, before the decode's activations
+        with stages("capture", "the VAE decoder's float32 reference"), tf32(False):
+            capture.decode_pending(reference, decoder, captured_vae)
+        del captured_vae
     for s in specs:  # a denoiser takes every scheduler's timesteps: float ones, whatever the capture's were
         if s.per_step:
             for calls in examples.values():
