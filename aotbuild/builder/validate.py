@@ -13,6 +13,7 @@ from ..runtime import CompiledVariant, GraphPool, load_weights
 from ..runtime.load import load_built_ip_adapter
 from ..runtime.regional import component_variants
 from ..runtime.variant import LoadContext
+from ..runtime.weights import release_packed
 from ..spec.manifest import sha256_file, validated_with_tf32, write_manifest
 from ..spec.pipelines import PipelineSpec
 from ..spec.private_apis import pytree
@@ -41,8 +42,10 @@ def validate_artifact(out: Path, manifest: dict[str, Any], reference: dict, poin
         weights = load_weights(out / entry["weights"], device, layouts)
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
         package_sha = sha256_file(out / entry["package"])
-        opened, _ = component_variants(out / entry["package"], entry, weights, package_sha, layouts,
-                                       LoadContext(device, tf32=tf32))
+        opened, regional = component_variants(out / entry["package"], entry, weights, package_sha, layouts,
+                                              LoadContext(device, tf32=tf32))
+        if regional is None:  # as a load does: the plain weights' pages out, their packed copies made
+            release_packed(out / entry["weights"], opened, weights)
         plain = {variant.name: variant for variant in opened}
         for variant_entry in entry["variants"]:
             variant = plain[variant_entry["name"]]

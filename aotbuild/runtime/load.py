@@ -46,7 +46,7 @@ from .hub import check_trusted
 from .lora import lora_component_class
 from .regional import RegionalComponent, component_variants
 from .variant import LoadContext
-from .weights import dtype_name, load_weights, release_pages
+from .weights import dtype_name, load_weights, release_packed
 
 # Threads inside `quiet_libraries()`, with their nesting depth: their log records below ERROR are dropped.
 _QUIET_THREADS: dict[int, int] = {}
@@ -271,9 +271,7 @@ def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: st
     sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
     variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
     if source is None and regional is None:  # weights only packed: read once, now out of memory
-        reads = [v.weight_reads() for v in variants]
-        once = set().union(*(copied for copied, _ in reads)) - set().union(*(code for _, code in reads))
-        release_pages(stored, [tensors[fqn] for fqn in once])
+        release_packed(stored, variants, tensors)
     base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
     cls = lora_component_class(base) if spec.component(name).denoiser else base
     described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,

@@ -96,6 +96,15 @@ def release_pages(path: Path, tensors: Iterable[torch.Tensor]) -> int:
     return released
 
 
+def release_packed(path: Path, variants: Iterable[Any], tensors: dict[str, torch.Tensor]) -> int:
+    """`release_pages` for the weights of `path` that `variants` (a component's, just made) read
+    only to make their packed constants, which no compiled code reads: at a load, and at the
+    build's validation, which would otherwise hold both forms of every packed weight."""
+    reads = [v.weight_reads() for v in variants]
+    once = set().union(*(copied for copied, _ in reads)) - set().union(*(code for _, code in reads))
+    return release_pages(path, [tensors[fqn] for fqn in once])
+
+
 def _private_mappings(path: Path) -> list[tuple[int, int]]:
     """The address ranges at which this process maps `path` privately (copy on write), from
     /proc/self/maps, matched by device and inode."""
