@@ -239,6 +239,19 @@ def test_component_bench_runs_every_runtime_on_the_pipelines_own_call(built, tmp
     assert "onnxruntime" in result.output and "the stand-in's own cost per call" in result.output
 
 
+def test_component_bench_times_the_vae_decoder_against_its_decoded_reference(built, tmp_path):
+    """The decoder's call is recorded undecoded (`capture.recording`); the bench's reference decodes
+    it before comparing: each output against eager float32."""
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(built.folder, artifacts / built.folder.name)
+    result = CliRunner().invoke(main, ["bench", "--target", str(TARGETS / "cpu-tiny-sdxl.toml"), "--artifacts",
+                                       str(artifacts), "--component", "vae_decoder", "--cases", "aot,eager",
+                                       "--rounds", "1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    runtimes = json.loads((artifacts / built.folder.name / "bench-vae_decoder.json").read_text())["runtimes"]
+    assert runtimes["eager"]["max_rel_error"] < 1e-6 and runtimes["aot"]["max_rel_error"] < 1e-4
+
+
 def test_component_bench_refuses_what_it_cannot_time(tmp_path):
     from aotbuild.benchmarking.peers import Peer
 

@@ -41,18 +41,20 @@ def test_records_real_calls_with_guidance_doubling_batch(pipe, specs):
 
 
 def test_the_decoders_call_is_recorded_undecoded_then_decoded_as_the_pipeline_would(pipe, specs, monkeypatch):
-    """The run ends at the VAE decoder's call, the last the capture records: its output is decoded
-    later (`decode_pending`, by the build once its float32 denoiser is cast: SDXL at 1024x1024 px
-    decoded 4 GiB of float32 activations beside a 10 GiB float32 UNet), exactly as the call would
-    have decoded it, once for the points sharing the run."""
+    """The VAE decoder's call, the last the capture records, is not decoded in the run: the pipeline
+    goes on with zeros of its shape, worked out on fake tensors; its output is decoded later
+    (`decode_pending`, by the build once its float32 denoiser is cast: SDXL at 1024x1024 px decoded
+    4 GiB of float32 activations beside a 10 GiB float32 UNet), exactly as the call would have
+    decoded it, once for the points sharing the run."""
     decoded = []
     decode = pipe.vae.decode
-    monkeypatch.setattr(pipe.vae, "decode", lambda *args, **kwargs: (decoded.append(1), decode(*args, **kwargs))[1])
+    monkeypatch.setattr(pipe.vae, "decode", lambda latents, *args, **kwargs: (
+        decoded.append(type(latents).__name__), decode(latents, *args, **kwargs))[1])
     calls = capture_inputs(pipe, specs, batch=1, height=64, width=96, guidance_scale=5.0)
-    assert decoded == [] and "unet" in calls
+    assert decoded == ["FakeTensor"] and "unet" in calls
     reference = {"b1_64x96": calls, "b1_64x96:one": dict(calls)}
     decode_pending(reference, specs[1], pipe.vae)
-    assert decoded == [1]
+    assert decoded == ["FakeTensor", "Tensor"]
     latents = calls["vae_decoder"].args[0]
     expected = decode(latents, return_dict=False)[0]
     for point in reference.values():
@@ -79,6 +81,19 @@ def test_captured_tensors_are_copies(pipe, specs):
     calls = capture_inputs(pipe, specs, batch=1, height=64, width=64, guidance_scale=5.0)
     sample = calls["unet"].args[0]
     assert not sample.requires_grad and sample.is_contiguous() and sample.dtype == torch.float32
+
+
+def test_the_pipeline_runs_to_its_end_past_the_undecoded_call(pipe, specs):
+    """What a pipeline does after its decode still happens: SDXL's perturbed-attention guidance
+    (PAG) pipeline swaps its UNet's attention processors for the loop and puts them back after the
+    decode; a capture ending the run at the decode left them swapped, and the next run traced them."""
+    from diffusers import StableDiffusionXLPAGPipeline
+
+    pag = StableDiffusionXLPAGPipeline.from_pipe(pipe, pag_applied_layers=["mid"])
+    before = {name: type(p) for name, p in pag.unet.attn_processors.items()}
+    calls = capture_inputs(pag, specs, batch=1, height=64, width=64, guidance_scale=5.0)
+    assert isinstance(calls["vae_decoder"].output, PendingOutput)
+    assert {name: type(p) for name, p in pag.unet.attn_processors.items()} == before
 
 
 @pytest.mark.parametrize("name", ["cpu-tiny-sdxl", "cpu-tiny-sd15", "cpu-tiny-sd3", "cpu-tiny-flux"])

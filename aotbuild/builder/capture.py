@@ -14,7 +14,7 @@ import torch
 
 from ..errors import BuildError
 from ..spec.pipelines import FRAMES, TEXT, ComponentSpec, PipelineSpec, exact_size, per_prompt, seeded_image
-from ..spec.private_apis import pytree
+from ..spec.private_apis import fake_tensor_mode, pytree
 
 
 @dataclass
@@ -43,14 +43,17 @@ class PendingOutput:
     kwargs: dict[str, Any]
 
 
-class _DecoderReached(BaseException):
-    """Ends a capture's pipeline run at its VAE decoder's call, once every other recorded model has
-    been called: control flow, not an error (a BaseException, which no pipeline's `except
-    Exception` takes for its own)."""
-
-
 def detached(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
+
+
+def _zeros_like_call(method: Callable, args: tuple, kwargs: dict) -> Any:
+    """What `method(*args, **kwargs)` returns, its structure, shapes, dtypes and devices, in zeros:
+    worked out on fake tensors (no data, no arithmetic, no memory)."""
+    with fake_tensor_mode() as mode:
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        fake = method(*fake_args, **fake_kwargs)
+    return pytree.tree_map_only(torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device), fake)
 
 
 def _recorded_output(spec: ComponentSpec, output: Any) -> Any:
@@ -84,10 +87,11 @@ def patched_methods(methods: dict[str, tuple[Any, str]],
 @contextlib.contextmanager
 def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, CapturedCall]]:
     """Within the block, the first call of each spec's method on the pipeline is recorded. A VAE
-    decoder's call, once every other spec's is recorded, is recorded without running and ends the
-    run (`_DecoderReached`), its output a `PendingOutput`: decoded later by `decode_pending`, where
-    the float32 denoiser no longer sits beside the float32 decode's activations (SDXL at 1024x1024
-    px: 4 GiB of them beside a 10 GiB UNet)."""
+    decoder's call, once every other spec's is recorded, is recorded without running, its output a
+    `PendingOutput`, decoded later by `decode_pending` where the float32 denoiser no longer sits
+    beside the float32 decode's activations (SDXL at 1024x1024 px: 4 GiB of them beside a 10 GiB
+    UNet); the pipeline gets zeros of the decode's shape and goes on to its end (what it does after
+    the decode, e.g. a PAG pipeline putting its attention processors back, still runs)."""
     calls: dict[str, CapturedCall] = {}
     by_name = {spec.name: spec for spec in specs}
 
@@ -96,13 +100,11 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
 
         def record(*args: Any, **kwargs: Any) -> Any:
             last = spec.part == "decoder" and name not in calls and calls.keys() >= by_name.keys() - {name}
-            output = None if last else original(*args, **kwargs)
+            output = _zeros_like_call(original, args, kwargs) if last else original(*args, **kwargs)
             if name not in calls:
                 call_args, call_kwargs = detached(spec.call_inputs(args, kwargs))
                 sample = PendingOutput(*detached((args, kwargs))) if last else detached(_recorded_output(spec, output))
                 calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), sample)
-            if last:
-                raise _DecoderReached
             return output
 
         return record
@@ -195,9 +197,10 @@ def capture_inputs(
     it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
     and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
-    the run whose calls are returned, and that run's `steps`. The run decodes its latents only where
-    it records a VAE decoder's call or times methods (an eager VAE's decode); else it stops at the
-    latents where the pipeline can return them: a video VAE's float32 decode takes minutes at real size."""
+    the run whose calls are returned, and that run's `steps`. The run goes on past its latents only
+    where it records a VAE decoder's call (not decoded there: `recording`) or times methods (an
+    eager VAE's decode); else it stops at the latents where the pipeline can return them: a video
+    VAE's float32 decode takes minutes at real size."""
     specs = [s for s in specs if s.recorded]
     output_type = "np" if timed_methods or any(s.part == "decoder" for s in specs) else "latent"
     arguments = call_arguments(pipe, batch=batch, height=height, width=width, guidance_scale=guidance_scale,
@@ -206,10 +209,7 @@ def capture_inputs(
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
         with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds:
-            try:
-                run_pipeline_to(pipe, arguments, steps, output_type)
-            except _DecoderReached:
-                pass
+            run_pipeline_to(pipe, arguments, steps, output_type)
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break
@@ -231,13 +231,14 @@ def decode_pending(calls: dict[str, dict[str, CapturedCall]], spec: ComponentSpe
         call = point_calls.get(spec.name)
         if call is None or not isinstance(call.output, PendingOutput):
             continue
+        where = next(t.device for t in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor))
         if id(call.output) not in done:
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
                                                 (call.output.args, call.output.kwargs))
             with torch.no_grad():
-                done[id(call.output)] = detached(_recorded_output(spec, getattr(module, spec.method)(*args, **kwargs)))
-        where = next(t.device for t in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor))
-        point_calls[spec.name] = CapturedCall(call.args, call.kwargs, done[id(call.output)].to(where))
+                output = _recorded_output(spec, getattr(module, spec.method)(*args, **kwargs))
+            done[id(call.output)] = detached(output).to(where)
+        point_calls[spec.name] = CapturedCall(call.args, call.kwargs, done[id(call.output)])
 
 
 def call_arguments(pipe: Any, *, batch: int, height: int, width: int, guidance_scale: float,

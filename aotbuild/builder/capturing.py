@@ -64,7 +64,8 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     """({point name: {component: CapturedCall}}, {point name: the `blocks`' calls}, {point name:
     seconds in each of the `timed` methods (at `timed_points`) and the run's steps}, for the point
     that ran the pipeline): one pipeline call per distinct point for the components the pipeline
-    calls (`capture.capture_inputs`: it decodes only where it records or times the decode); random
+    calls (`capture.capture_inputs`: it decodes only where it times the decode, and leaves a VAE
+    decoder's outputs to `capture.decode_pending`); random
     inputs for the others (the encoder) and for tiles. At `loop`'s point, also a short denoising loop, whose
     call and final latents it keeps (`Loop`: the build runs the same loop compiled).
 

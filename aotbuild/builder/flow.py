@@ -181,7 +181,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     # beside the float32 pipeline: Wan 2.1 1.3B's float32 decode of 9 frames at 480x832 px, ~8 GiB.
     timed = eager_vae.pop("timed") if eager_vae else None
     timed_points = [plan.points[0] for plan in plans[denoiser.name] if plan.kind == "bucket"] if eager_vae else []
-    timed_later = target.dtype != "float32"
+    timed_later = eager_vae is not None and target.dtype != "float32"
     with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
                                                        instances, timed=None if timed_later else timed,
@@ -202,15 +202,25 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
             for s in specs}
     dims |= {r.name: {plan.name: variant_dims(r.name, plan, reference, points) for plan in plans[regional.name]}
              for r in found}
-    # The capture recorded the VAE decoder's calls without decoding (`capture.recording`): they are
-    # decoded by the VAE as captured (float32), once the denoiser is cast to the target's dtype.
+    # The capture recorded the VAE decoder's calls without decoding (`capture.recording`): the VAE
+    # as captured (float32) decodes them once the denoiser is cast to the target's dtype (a copy of
+    # it: the pipeline's is cast too), or now where nothing is cast.
     decoder = next((s for s in specs if s.part == "decoder"), None)
     pending = decoder and any(isinstance(getattr(calls.get(decoder.name), "output", None), capture.PendingOutput)
                               for calls in reference.values())
-    captured_vae = copy.deepcopy(getattr(pipe, decoder.attribute)) if pending else None
+
+    def decode_reference(vae: torch.nn.Module) -> None:
+        with stages("capture", "the VAE decoder's float32 reference"), tf32(False):
+            capture.decode_pending(reference, decoder, vae)
+
+    captured_vae = None
+    if pending and target.dtype == "float32":
+        decode_reference(getattr(pipe, decoder.attribute))
+    elif pending:
+        captured_vae = copy.deepcopy(getattr(pipe, decoder.attribute))
     with stages("optimize", ", ".join(["dtype", *target.optimize])):
         modules, records = optimize_pipeline(pipe, specs, target)
-    if records["changes_inputs"]:
+    if records["changes_inputs"] or timed_later:  # the second: always the first too (a cast denoiser)
         with stages("capture", "example inputs of the optimized pipeline"):
             optimized, block_calls, timings = capture_all(
                 pipe, spec, specs, target, {n: points[n] for n in examples}, device, stages.progress, instances,
@@ -227,8 +237,7 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         eager_vae["share"] = eager_share(pipe, plans[denoiser.name], seconds, target.dtype)
     if captured_vae is not None:
         free_memory(device)  # the float32 denoiser's pages, before the decode's activations
-        with stages("capture", "the VAE decoder's float32 reference"), tf32(False):
-            capture.decode_pending(reference, decoder, captured_vae)
+        decode_reference(captured_vae)
         del captured_vae
     for s in specs:  # a denoiser takes every scheduler's timesteps: float ones, whatever the capture's were
         if s.per_step:

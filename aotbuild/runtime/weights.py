@@ -76,9 +76,9 @@ def release_pages(path: Path, tensors: Iterable[torch.Tensor]) -> int:
     compiled code reads instead (oneDNN-packed weights, `optimize.prepack`). A packed SDXL UNet
     otherwise keeps both forms resident, 2x its weights. The pages stay in the page cache, and a
     later read (a LoRA merged from the base weights, a constant made again) maps them back from the
-    file; a page written since the mapping would lose the write, hence at load only. Pages a tensor
-    shares with its neighbours stay. Returns the bytes taken out (0 where the file is not mapped
-    privately, or off Linux)."""
+    file; a page written since the mapping would lose the write, hence only as the weights are loaded
+    (a load, the build's validation). Pages a tensor shares with its neighbours stay. Returns the
+    bytes taken out (0 where the file is not mapped privately, or off Linux)."""
     ranges = _private_mappings(path)
     if not ranges or not hasattr(mmap, "MADV_DONTNEED"):
         return 0
