@@ -385,7 +385,7 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
     from aotbuild.builder.capture import decode_pending
     from aotbuild.builder.capturing import capture_all
     from aotbuild.builder.plan import plan_target
-    from aotbuild.builder.validate import validate_artifact
+    from aotbuild.builder.validate import load_artifact, validate_artifact
     from aotbuild.errors import NumericsError
     from aotbuild.spec.pipelines import pipeline_spec
 
@@ -399,10 +399,11 @@ def test_drift_beyond_tolerance_fails_with_figures_unless_allowed(artifact_copy,
         for call in calls.values():
             call.output.mul_(1.5)  # as if the compiled models had drifted by a third
     manifest = read_manifest(artifact_copy)
+    loaded = load_artifact(artifact_copy, manifest, torch.device("cpu"))
     with pytest.raises(NumericsError, match=r"unet b1_64x64: relative error 0\.333 > 0\.001") as info:
-        validate_artifact(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=False)
+        validate_artifact(artifact_copy, manifest, loaded, reference, points, plans, allow_drift=False)
     assert "--allow-numerics-drift" in info.value.hint
-    validate_artifact(artifact_copy, manifest, reference, points, plans, torch.device("cpu"), allow_drift=True)
+    validate_artifact(artifact_copy, manifest, loaded, reference, points, plans, allow_drift=True)
     assert manifest["components"]["vae_decoder"]["variants"][2]["numerics"]["max_rel_error"] > 0.3
 
 
@@ -414,7 +415,7 @@ def test_a_denoising_loop_that_drifts_fails_the_build_though_each_call_is_within
     from aotbuild.builder.capturing import Loop, capture_all
     from aotbuild.builder.plan import plan_target
     from aotbuild.builder.targets import LOOP_STEPS
-    from aotbuild.builder.validate import validate_loop
+    from aotbuild.builder.validate import load_artifact, validate_loop
     from aotbuild.errors import NumericsError
     from aotbuild.spec.pipelines import pipeline_spec
 
@@ -432,13 +433,14 @@ def test_a_denoising_loop_that_drifts_fails_the_build_though_each_call_is_within
     for s in specs:
         setattr(pipe, s.attribute, None)
     manifest = read_manifest(artifact_copy)
-    figures = validate_loop(artifact_copy, manifest, pipe, spec, loop, torch.device("cpu"), allow_drift=False)
+    loaded = load_artifact(artifact_copy, manifest, torch.device("cpu"))
+    figures = validate_loop(manifest, loaded, pipe, spec, loop, torch.device("cpu"), allow_drift=False)
     assert figures["rel_l2_error"] < 1e-4 and figures["at"] == "b1_64x64"
     loop.latents = loop.latents * 1.01  # as if the steps had carried an error forward
     with pytest.raises(NumericsError, match=r"a 3-step denoising loop at b1_64x64 drifts from eager float32: its "
                                             r"final latents' relative error 0\.0099\d* > 0\.001 \(every single call "
                                             r"was within it"):
-        validate_loop(artifact_copy, manifest, pipe, spec, loop, torch.device("cpu"), allow_drift=False)
-    assert validate_loop(artifact_copy, manifest, pipe, spec, loop, torch.device("cpu"),
+        validate_loop(manifest, loaded, pipe, spec, loop, torch.device("cpu"), allow_drift=False)
+    assert validate_loop(manifest, loaded, pipe, spec, loop, torch.device("cpu"),
                          allow_drift=True)["max_rel_error"] > 1e-3
 

@@ -60,7 +60,7 @@ from .record import build_environment, permuted_inputs, source_record
 from .regional import build_regional
 from .targets import Target
 from .transaction import STAGING_DIRNAME, recover_stale_staging, replace_folder, target_lock
-from .validate import validate_artifact, validate_loop
+from .validate import load_artifact, validate_artifact, validate_loop
 
 
 def is_fresh(folder: Path, target: Target) -> bool:
@@ -289,19 +289,21 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         "files": {},
         "timings": {},
     }
-    with stages("validate", "compiled vs eager float32 on the captured inputs"):
-        validate_artifact(out, manifest, reference, points, plans, device, allow_drift)
     manifest["files"] = {
         str(p.relative_to(out)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(out.rglob("*")) if p.is_file()
     }
     for entry in components.values():  # just hashed: this machine's first load need not read them again
         mark_verified(out / entry["weights"], manifest["files"][entry["weights"]]["sha256"])
+    with stages("validate", "compiled vs eager float32 on the captured inputs"):
+        loaded = load_artifact(out, manifest, device)
+        validate_artifact(out, manifest, loaded, reference, points, plans, allow_drift)
     if loop is not None:
         with stages("validate", f"a {loop.steps}-step denoising loop, compiled vs eager float32"):
-            manifest["validation"] = {"loop": validate_loop(out, manifest, pipe, spec, loop, device, allow_drift,
+            manifest["validation"] = {"loop": validate_loop(manifest, loaded, pipe, spec, loop, device, allow_drift,
                                                             target.base_dir)}
         del pipe
+    del loaded
     manifest["timings"] = {k: round(v, 3) for k, v in stages.timings.items()}
     if stages.peak_rss_mib:
         manifest["peak_rss_mib"] = stages.peak_rss_mib

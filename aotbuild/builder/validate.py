@@ -9,11 +9,10 @@ from typing import Any
 import torch
 
 from ..errors import BuildError, NumericsError
-from ..runtime import CompiledVariant, GraphPool, load_weights
+from ..runtime import CompiledComponent
 from ..runtime.load import load_built_ip_adapter
 from ..runtime.regional import component_variants
 from ..runtime.variant import LoadContext
-from ..runtime.weights import release_packed
 from ..spec.manifest import sha256_file, validated_with_tf32, write_manifest
 from ..spec.pipelines import PipelineSpec
 from ..spec.private_apis import pytree
@@ -28,27 +27,43 @@ TOLERANCES = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 2e-2}
 GRAPH_TOLERANCE = 1e-3
 
 
-def validate_artifact(out: Path, manifest: dict[str, Any], reference: dict, points: dict[str, CapturePoint],
-              plans: dict[str, list[VariantPlan]], device: torch.device, allow_drift: bool) -> None:
-    """Run each compiled variant through the runtime's own loader on the float32 captured inputs
-    (cast to the variant's dtypes) and compare with the eager float32 output at every point it
-    serves: a bucket with 1 image and its batch (and with and without guidance), the dynamic model
-    at the range's corners and its base point, a tile model at the smallest and largest tiles."""
+def load_artifact(out: Path, manifest: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The artifact loaded as a load loads it (the manifest written first, with its files' hashes):
+    once, for both validations. A second load would hold a second copy of every packed constant
+    till the build ends: torch 2.13 never deletes its handle to a user-managed constant (fixed
+    upstream by pytorch#194480). Returns {pipeline attribute: module}, as `load_components` does."""
+    from ..runtime import load_components
+
+    write_manifest(out, manifest)
+    _, modules = load_components(out, device=device)
+    return modules
+
+
+def loaded_components(modules: dict[str, Any]) -> dict[str, CompiledComponent]:
+    """A load's compiled components by component name: a VAE stand-in's parts by theirs."""
+    found = {}
+    for module in modules.values():
+        for component in module.parts.values() if isinstance(getattr(module, "parts", None), dict) else [module]:
+            found[component.component_name] = component
+    return found
+
+
+def validate_artifact(out: Path, manifest: dict[str, Any], modules: dict[str, Any], reference: dict,
+                      points: dict[str, CapturePoint], plans: dict[str, list[VariantPlan]],
+                      allow_drift: bool) -> None:
+    """Run each compiled variant of the loaded artifact (`load_artifact`'s modules) on the float32
+    captured inputs (cast to the variant's dtypes) and compare with the eager float32 output at
+    every point it serves: a bucket with 1 image and its batch (and with and without guidance),
+    the dynamic model at the range's corners and its base point, a tile model at the smallest and
+    largest tiles. Records each variant's errors in `manifest`."""
     failures, graph_failures = [], []
-    graph_pool = GraphPool(device) if manifest["runtime"]["cuda_graphs"] else None
-    tf32 = validated_with_tf32(manifest)
+    components = loaded_components(modules)
     for name, entry in manifest["components"].items():
-        layouts = entry["constants"]["layouts"]
-        weights = load_weights(out / entry["weights"], device, layouts)
+        component = components[name]
         tolerance = optimize.tolerance(manifest["target"]["optimize"], TOLERANCES[entry["dtype"]])
-        package_sha = sha256_file(out / entry["package"])
-        opened, regional = component_variants(out / entry["package"], entry, weights, package_sha, layouts,
-                                              LoadContext(device, tf32=tf32))
-        if regional is None:  # as a load does: the plain weights' pages out, their packed copies made
-            release_packed(out / entry["weights"], opened, weights)
-        plain = {variant.name: variant for variant in opened}
+        loaded = {variant.name: variant for variant in component.variants}
         for variant_entry in entry["variants"]:
-            variant = plain[variant_entry["name"]]
+            variant = loaded[variant_entry["name"]]
             checked = next(plan.points for plan in plans[name] if plan.name == variant.name)
             errors = {}
             for point in checked:
@@ -66,12 +81,9 @@ def validate_artifact(out: Path, manifest: dict[str, Any], reference: dict, poin
             }
             if problem := beyond_tolerance(worst, tolerance):
                 failures.append(f"{name} {variant.name}: {problem}")
-        if graph_pool is not None:
-            graph_failures += _check_cuda_graphs(out / entry["package"], entry, name, plain, weights, package_sha,
-                                                 layouts, reference, LoadContext(device, graph_pool, tf32))
-        # The bound weights stay on the device regardless: torch 2.13 never deletes its handle to a
-        # user-managed constant (fixed upstream by pytorch#194480), so they live until the build ends.
-        del plain, weights, variant
+        if any(getattr(variant, "graph_pool", None) is not None for variant in loaded.values()):
+            graph_failures += _check_cuda_graphs(out / entry["package"], entry, name, component, reference,
+                                                 validated_with_tf32(manifest))
     if graph_failures:  # a wrong replay is a defect, not drift: no flag accepts it
         raise BuildError("; ".join(graph_failures), hint="set cuda_graphs = false in the target")
     if failures and not allow_drift:
@@ -79,17 +91,13 @@ def validate_artifact(out: Path, manifest: dict[str, Any], reference: dict, poin
                             hint="inspect the recipe, or accept with --allow-numerics-drift")
 
 
-def validate_loop(out: Path, manifest: dict[str, Any], pipe: Any, spec: PipelineSpec, loop: Loop,
+def validate_loop(manifest: dict[str, Any], modules: dict[str, Any], pipe: Any, spec: PipelineSpec, loop: Loop,
                   device: torch.device, allow_drift: bool, base_dir: Path = Path(".")) -> dict[str, Any]:
-    """The capture's short denoising loop again, in the pipeline with the artifact loaded as a load
-    loads it (the manifest is written first), against the eager float32 loop's final latents: an
-    error every single call keeps within tolerance can grow over the steps, and fails the build
-    here. Returns what the manifest records of it (`validation.loop`). `base_dir`: the target's
-    folder, where a local file it names is looked for."""
-    from ..runtime import load_components
-
-    write_manifest(out, manifest)
-    _, modules = load_components(out, device=device)
+    """The capture's short denoising loop again, in the pipeline with the artifact's `modules`
+    swapped in (`load_artifact`'s), against the eager float32 loop's final latents: an error every
+    single call keeps within tolerance can grow over the steps, and fails the build here. Returns
+    what the manifest records of it (`validation.loop`). `base_dir`: the target's folder, where a
+    local file it names is looked for."""
     for attribute, module in modules.items():
         setattr(pipe, attribute, module)
     if manifest["target"].get("ip_adapter"):  # as load_pipeline loads it
@@ -116,36 +124,39 @@ def validate_loop(out: Path, manifest: dict[str, Any], pipe: Any, spec: Pipeline
     return record
 
 
-def _check_cuda_graphs(package: Path, entry: dict[str, Any], component: str, plain: dict[str, CompiledVariant],
-                       weights: dict, package_sha: str, layouts: dict[str, dict], reference: dict,
-                       context: LoadContext) -> list[str]:
-    """The runtime's graph mode against plain runs, used as the runtime uses it: every bucket of the
-    component captured into one shared pool, then each replayed on new random inputs. Records each
-    variant's largest relative difference in its numerics; returns the failures."""
-    opened, _ = component_variants(package, entry, weights, package_sha, layouts, context)
-    graphed = {v.name: v for v in opened if "bucket" in v.entry}
+def _check_cuda_graphs(package: Path, entry: dict[str, Any], name: str, component: CompiledComponent,
+                       reference: dict, tf32: bool) -> list[str]:
+    """The runtime's graph mode, as loaded (every bucket of the component captured into one shared
+    pool), against plain runs of the same models on the same weights: each replayed on the captured
+    inputs, then on new random ones. Records each variant's largest relative difference in its
+    numerics (in `entry`); returns the failures."""
+    graphed = {v.name: v for v in component.variants if getattr(v, "graph_pool", None) is not None}
+    opened, _ = component_variants(package, entry, component.weights, sha256_file(package),
+                                   entry["constants"]["layouts"], LoadContext(component.device, tf32=tf32))
+    plain = {v.name: v for v in opened}
     generator = torch.Generator().manual_seed(0)
     diffs: dict[str, float] = dict.fromkeys(graphed, 0.0)
     first: dict[str, torch.Tensor] = {}
     failures = []
     for fresh in (False, True):
-        for name, model in graphed.items():
-            call = reference[name][component]  # a bucket's export point is named after it
+        for variant, model in graphed.items():
+            call = reference[variant][name]  # a bucket's export point is named after it
             leaves = [(path, torch.randn(leaf.shape, generator=generator).to(leaf.dtype)
                        if fresh and isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else leaf)
-                      for path, leaf in plain[name].flatten(call.args, call.kwargs)]
+                      for path, leaf in plain[variant].flatten(call.args, call.kwargs)]
             with torch.no_grad():
-                got, want = (_first_output(m.run(leaves)).float() for m in (model, plain[name]))
+                got, want = (_first_output(m.run(leaves)).float() for m in (model, plain[variant]))
             diff = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-            diffs[name] = max(diffs[name], diff, key=lambda d: d if d == d else float("inf"))  # NaN wins
-            if fresh and torch.equal(got, first[name]):
-                failures.append(f"{component} {name}: the CUDA graph replay ignored its new inputs")
-            first[name] = got
-    for name, diff in diffs.items():
-        plain[name].entry["numerics"]["cuda_graph_rel_diff"] = diff
-        if not diff <= GRAPH_TOLERANCE:
-            failures.append(f"{component} {name}: CUDA graph replay differs from the plain run by {diff:.3g} "
-                            f"(relative) > {GRAPH_TOLERANCE:g}")
+            diffs[variant] = max(diffs[variant], diff, key=_nan_first)  # NaN wins
+            if fresh and torch.equal(got, first[variant]):
+                failures.append(f"{name} {variant}: the CUDA graph replay ignored its new inputs")
+            first[variant] = got
+    for variant_entry in entry["variants"]:
+        if (diff := diffs.get(variant_entry["name"])) is not None:
+            variant_entry["numerics"]["cuda_graph_rel_diff"] = diff
+            if not diff <= GRAPH_TOLERANCE:
+                failures.append(f"{name} {variant_entry['name']}: CUDA graph replay differs from the plain run by "
+                                f"{diff:.3g} (relative) > {GRAPH_TOLERANCE:g}")
     return failures
 
 
