@@ -75,7 +75,7 @@ PREBUILDS = (("cpu-tiny-ltx", "cpu-tiny-sdxl", "cpu-tiny-sd3", "cpu-tiny-sd15-in
               "cpu-tiny-z-image", "cpu-tiny-qwen-image-edit", "cpu-tiny-qwen-image-edit-plus",
               "cpu-tiny-flux-kontext", "cpu-tiny-sdxl-prepack", "cpu-tiny-sdxl-bf16-prepack",
               "cpu-tiny-sdxl-controlnet", "cpu-tiny-sdxl-controlnet-union", "cpu-tiny-sdxl-ip-adapter",
-              "cpu-tiny-sd3-controlnet", "cpu-tiny-sd3-controlnet-inpaint"),
+              "cpu-tiny-sd3-controlnet", "cpu-tiny-sd3-controlnet-inpaint", "cpu-tiny-sd35-large-controlnet"),
              ("cpu-tiny-sdxl-int8", "cpu-tiny-sd15", "cpu-tiny-flux", "cpu-tiny-flux-regional",
               "cpu-tiny-auraflow", "cpu-tiny-flux2-klein",
               "cpu-tiny-flux2-klein-regional", "cpu-tiny-qwen-image", "cpu-tiny-flux2-dev", "cpu-tiny-wan22",

@@ -77,7 +77,7 @@ def test_a_targets_controlnet_comes_from_its_own_source(tmp_path):
     from aotbuild.errors import TargetError
 
     target = load_target(TARGETS / "cpu-tiny-sdxl-controlnet.toml")
-    saved = _other_controlnet(eager_pipeline(target).controlnet, 5)
+    saved = _other_model(eager_pipeline(target).controlnet, 5)
     saved.save_pretrained(tmp_path / "canny")
     pipe = load_source_pipeline(dataclasses.replace(target, controlnet=str(tmp_path / "canny")),
                                 PIPELINES[target.pipeline], torch.device("cpu"))
@@ -145,13 +145,14 @@ def test_a_lora_on_the_unet_with_a_controlnet(sdxl, tmp_path):
     assert np.abs(got - run(plain, image=seeded_image(64, 64))).max() > 1e-3  # the LoRA changes the image
 
 
-def _other_controlnet(controlnet: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """A ControlNet of `controlnet`'s class and architecture, with seeded weights of its own."""
+def _other_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A model of `model`'s class and architecture (a ControlNet, a transformer), with seeded weights
+    of its own."""
     torch.manual_seed(seed)
-    model = type(controlnet).from_config(controlnet.config)
-    for parameter in model.parameters():
+    other = type(model).from_config(model.config)
+    for parameter in other.parameters():
         parameter.data.normal_(0.0, 0.05)
-    return model
+    return other
 
 
 @pytest.mark.slow
@@ -160,7 +161,7 @@ def test_another_controlnet_and_two_controlnets_run_as_data(sdxl):
     architecture), and each of a MultiControlNetModel's two, with their own scales and windows."""
     target, built, _, _ = sdxl
     controlnet = eager_pipeline(target).controlnet
-    other, second = _other_controlnet(controlnet, 7), _other_controlnet(controlnet, 8)
+    other, second = _other_model(controlnet, 7), _other_model(controlnet, 8)
 
     def pipeline(controlnet):
         pipe = eager_pipeline(target)
@@ -233,7 +234,7 @@ def test_load_pipeline_takes_the_controlnet_to_run(sdxl, tmp_path):
     """load_pipeline(controlnet=...) as diffusers' from_pretrained takes it: one model, or a list."""
     target, built, _, _ = sdxl
     controlnet = eager_pipeline(target).controlnet
-    other, second = _other_controlnet(controlnet, 7), _other_controlnet(controlnet, 8)
+    other, second = _other_model(controlnet, 7), _other_model(controlnet, 8)
     eager = eager_pipeline(target)
     eager.controlnet = other
     both(aotbuild.load_pipeline(built.folder, controlnet=copy.deepcopy(other)), eager, image=seeded_image(64, 64))
@@ -302,7 +303,7 @@ def test_two_flux_controlnets_run_as_data(flux):
     """FluxMultiControlNetModel: each ControlNet compiled, with its own weights, scale and window;
     the mode it passes every ControlNet (-1 for one without modes, which ignores it) is dropped."""
     _, built, _, eager = flux
-    other, second = (_other_controlnet(eager.controlnet, seed) for seed in (7, 8))
+    other, second = (_other_model(eager.controlnet, seed) for seed in (7, 8))
     compiled = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(other), copy.deepcopy(second)])
     assert [type(net) for net in compiled.controlnet.nets] == [CompiledComponent, CompiledComponent]
     assert isinstance(compiled.controlnet, diffusers.FluxMultiControlNetModel)
@@ -355,7 +356,7 @@ def test_flux_controlnet_union_takes_several_conditions_and_refuses_a_mode_it_la
         with pytest.raises(ValueError, match="this ControlNet-Union takes a control mode in every call: "
                                              "control_mode=0 to 3"):
             run_flux(pipe, **call)
-    plain = _other_controlnet(diffusers.FluxControlNetModel.from_config({**eager.controlnet.config, "num_mode": None}),
+    plain = _other_model(diffusers.FluxControlNetModel.from_config({**eager.controlnet.config, "num_mode": None}),
                               5)
     with pytest.raises(WeightsMismatchError, match=r"controlnet: the weights' config differs from the artifact's in "
                                                    r"'num_mode' \(null in the weights, 4 in the artifact\)"):
@@ -433,8 +434,6 @@ def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
 
 
 @pytest.mark.parametrize("target_name, model, change, refusal", [
-    ("cpu-tiny-sd3-controlnet", "SD3ControlNetModel", {"use_pos_embed": False},
-     r"the ControlNet takes the transformer's position embedding \(use_pos_embed = false: SD3.5 Large's ControlNets\)"),
     ("cpu-tiny-flux-controlnet", "FluxControlNetModel", {"conditioning_embedding_channels": 16},
      r"the ControlNet takes the control image's pixels through an input_hint_block \(XLabs' Flux ControlNets\)"),
     ("cpu-tiny-sd3-controlnet", "SD3ControlNetModel", {"extra_conditioning_channels": 1},
@@ -443,11 +442,10 @@ def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
     ("cpu-tiny-sd3-controlnet-inpaint", "SD3ControlNetModel", {"extra_conditioning_channels": 0},
      r"the ControlNet takes 0 channels beside the image \(extra_conditioning_channels = 0\), and "
      r"StableDiffusion3ControlNetInpaintingPipeline gives its ControlNet the masked image with one: the mask"),
-], ids=["sd35-large", "xlabs", "inpainting-in-sd3", "plain-in-sd3-inpainting"])
+], ids=["xlabs", "inpainting-in-sd3", "plain-in-sd3-inpainting"])
 def test_a_controlnet_of_a_form_not_compiled_is_refused_before_capture(tmp_path, target_name, model, change, refusal):
-    """SD3.5 Large's ControlNets (the pipeline hands them the transformer's position embedding when
-    it is made), XLabs' Flux ControlNets (an input_hint_block module), and an SD3 ControlNet in the
-    SD3 pipeline that gives it another input (a mask, or none) are refused by a build before it
+    """XLabs' Flux ControlNets (an input_hint_block module), and an SD3 ControlNet in the SD3
+    pipeline that gives it another input (a mask, or none) are refused by a build before it
     captures anything."""
     import dataclasses
     import json
@@ -508,7 +506,7 @@ def test_sd3_without_its_controlnet_and_two_controlnets(sd3):
                       **size)
     same_as_eager(run_sd3, *(diffusers.StableDiffusion3Img2ImgPipeline.from_pipe(p) for p in (compiled, eager)), ATOL,
                   image=seeded_image(64, 64), strength=0.6)
-    other, second = (_other_controlnet(eager.controlnet, seed) for seed in (7, 8))
+    other, second = (_other_model(eager.controlnet, seed) for seed in (7, 8))
     two = aotbuild.load_pipeline(built.folder, controlnet=[copy.deepcopy(other), copy.deepcopy(second)])
     assert [type(net) for net in two.controlnet.nets] == [CompiledComponent, CompiledComponent]
     reference = diffusers.StableDiffusion3ControlNetPipeline.from_pipe(eager, controlnet=[other, second])
@@ -546,6 +544,59 @@ def test_run_seeds_what_sd3s_controlnet_pipeline_draws_unseeded(sd3):
                                                      "for its ControlNet"):
         generate(compiled, PROMPT, steps=2, seed=0, height=64, width=64, control=control, image=control,
                  mask=repaint_mask(64, 64))
+
+
+@pytest.fixture(scope="module")
+def sd35_large(tmp_path_factory):
+    return loaded(tmp_path_factory, "cpu-tiny-sd35-large-controlnet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", [{}, {"controlnet_conditioning_scale": 0.5}, {"guidance_scale": 1.0},
+                                  {"num_images_per_prompt": 2}], ids=["default", "scale", "unguided", "two-images"])
+def test_sd35_large_controlnet_calls_match_eager(sd35_large, call):
+    """SD3.5 Large's ControlNets (`use_pos_embed = false`: single-stream blocks, no text stream, no
+    position embedding of their own) are compiled with the copy of the transformer's position
+    embedding the pipeline hands them when it is made."""
+    _, _, compiled, eager = sd35_large
+    image = seeded_image(64, 64)
+    same_as_eager(run_sd3, compiled, eager, ATOL, control_image=image, **call)
+    without = run_sd3(compiled, control_image=image, controlnet_conditioning_scale=0.0)
+    assert np.abs(run_sd3(compiled, control_image=image) - without).max() > 0.05
+
+
+@pytest.mark.slow
+def test_sd35_large_controlnet_takes_the_position_embedding_of_the_pipelines_transformer(sd35_large):
+    """Every pipeline made with the compiled ControlNet hands it the position embedding of its
+    transformer, as diffusers hands an eager one: another transformer's (from_pipe), which the
+    compiled code then computes with, and the artifact's transformer's again; a ControlNet read from its
+    checkpoint alone (which holds none) gets the compiled transformer's, and so does an eager one
+    (read off the compiled transformer), one and two of them, all == eager."""
+    _, built, compiled, eager = sd35_large
+    cls = diffusers.StableDiffusion3ControlNetPipeline
+    image = seeded_image(64, 64)
+    transformer = _other_model(eager.transformer, 9)
+    moved = cls.from_pipe(compiled, transformer=copy.deepcopy(transformer))
+    assert torch.equal(moved.controlnet.state_dict()["pos_embed.proj.weight"], transformer.pos_embed.proj.weight)
+    same_as_eager(run_sd3, moved, cls.from_pipe(eager, transformer=copy.deepcopy(transformer)), ATOL,
+                  control_image=image)
+    # diffusers' from_pipe shares the ControlNet: the first pipeline's now computes with the other
+    # transformer's position embedding too, compiled as eager, until a pipeline hands it its own again
+    same_as_eager(run_sd3, compiled, eager, ATOL, control_image=image)
+    for pipe in (compiled, eager):
+        cls.from_pipe(pipe)
+    assert torch.equal(compiled.controlnet.state_dict()["pos_embed.proj.weight"],
+                       eager.transformer.pos_embed.proj.weight)
+    same_as_eager(run_sd3, compiled, eager, ATOL, control_image=image)
+    other, second = (_other_model(eager.controlnet, seed) for seed in (7, 8))
+    assert other.pos_embed is None  # as read from its checkpoint
+    for controlnet in (other, [other, second]):
+        reference = cls.from_pipe(eager, controlnet=copy.deepcopy(controlnet))
+        scale = {"controlnet_conditioning_scale": [0.4, 0.9]} if isinstance(controlnet, list) else {}
+        for pipe in (aotbuild.load_pipeline(built.folder, controlnet=copy.deepcopy(controlnet)),
+                     cls.from_pipe(compiled, controlnet=copy.deepcopy(controlnet))):
+            same_as_eager(run_sd3, pipe, reference, ATOL, control_image=[image] * (len(scale) and 2) or image,
+                          **scale)
 
 
 @pytest.fixture(scope="module")
@@ -681,7 +732,7 @@ def test_sdxl_controlnet_union_as_data_and_its_refusals(sdxl_union):
     run as data; two control images for one union (weighed inside the model) are refused in the
     call's terms; the plain pipeline runs the UNet without residuals."""
     _, built, compiled, eager = sdxl_union
-    other, second = (_other_controlnet(eager.controlnet, seed) for seed in (7, 8))
+    other, second = (_other_model(eager.controlnet, seed) for seed in (7, 8))
     one = aotbuild.load_pipeline(built.folder, controlnet=copy.deepcopy(other))
     reference = diffusers.StableDiffusionXLControlNetUnionPipeline.from_pipe(eager, controlnet=other)
     same_as_eager(run, one, reference, ATOL, control_image=seeded_image(64, 64), control_mode=2)

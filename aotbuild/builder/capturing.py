@@ -236,10 +236,6 @@ def _check_controlnet_form(controlnet: Any, pipeline: str) -> None:
                          f"{extra}), and {pipeline} gives its ControlNet the masked image with one: the mask",
                          hint="build it as a StableDiffusion3ControlNetPipeline target, or with an inpainting "
                               "ControlNet (Alimama's, extra_conditioning_channels = 1)")
-    if config.get("use_pos_embed") is False:
-        raise BuildError("the ControlNet takes the transformer's position embedding (use_pos_embed = false: SD3.5 "
-                         "Large's ControlNets), which the pipeline hands it at load: not compiled by aotbuild yet",
-                         hint="build a ControlNet with a position embedding of its own (InstantX's SD3 ControlNets)")
     if getattr(controlnet, "input_hint_block", None) is not None:
         raise BuildError("the ControlNet takes the control image's pixels through an input_hint_block (XLabs' Flux "
                          "ControlNets), a module the compiled pipeline's stand-in does not keep: not compiled by "

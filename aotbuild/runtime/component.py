@@ -113,7 +113,52 @@ class CompiledComponent(StandIn):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            spec = self.__dict__.get("_spec")
+            if spec is not None and name in spec.methods:  # the model class's own code, on the stand-in
+                return getattr(self._model_class or self._class(), name).__get__(self)
+            if spec is not None and name in spec.submodules and (module := self._submodule(name)) is not None:
+                return module
             raise MissingAttributeError(self.__dict__.get("component_name", type(self).__name__), name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        spec = self.__dict__.get("_spec")
+        if spec is not None and name in spec.submodules and isinstance(value, torch.nn.Module):
+            self._take_submodule(name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, self.config["_class_name"])
+
+    def _submodule(self, name: str) -> torch.nn.Module | None:
+        """The eager model's submodule `name` over the bound weights (None where the model's config
+        makes none: SD3.5 Large's ControlNet's `pos_embed`, handed to it by the pipeline). It holds
+        the bound tensors themselves, as `named_parameters` gives them: what a pipeline reads of it
+        (`state_dict()`) is what the compiled code computes with."""
+        from .lora import meta_model
+
+        module = getattr(self._spec.export_module(meta_model(self.config, self._dtype)), name, None)
+        if module is None:
+            return None
+        tensors = {key: self.eager_tensor(f"{name}.{key}")[0] for key in module.state_dict(keep_vars=True)}
+        if lacking := sorted(key for key, tensor in tensors.items() if tensor.is_meta):
+            raise UnsupportedCallError(f"{self.component_name}.{name}: the compiled code keeps no {lacking[0]!r} "
+                                       f"(it was compiled into the code as a constant)")
+        module.load_state_dict(tensors, assign=True)
+        return module
+
+    def _take_submodule(self, name: str, module: torch.nn.Module) -> None:
+        """A submodule the pipeline hands the model when it is made (`ComponentSpec.submodules`):
+        its weights are written into the bound ones through the recorded passes, as eager's copy
+        is. Unchanged ones (the artifact's own transformer's) are not written: no copy of a mapped
+        file's pages."""
+        state = {f"{name}.{key}": tensor for key, tensor in module.state_dict().items()}
+        with torch.no_grad():
+            if all(torch.equal(self.eager_tensor(fqn)[0], tensor.to(self._dtype)) for fqn, tensor in state.items()):
+                return
+        self.load_state_dict(state, strict=False)
 
     @property
     def __class__(self) -> type:  # noqa: PLE0307
@@ -174,8 +219,18 @@ class CompiledComponent(StandIn):
             model = self._spec.export_module(meta_model(self.config, self._dtype))
             params, buffers = ({name.replace(".base_layer.", "."): tensor for name, tensor in named}
                                for named in (model.named_parameters(), model.named_buffers()))
-            self._eager_shapes = params, buffers, set(buffers) & set(model.state_dict(keep_vars=True))
+            handed = self._handed_in(model, self._dtype)
+            self._eager_shapes = params, buffers | handed, set(buffers) & set(model.state_dict(keep_vars=True)) \
+                | set(handed)
         return self._eager_shapes
+
+    def _handed_in(self, model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The bound weights of the submodules a pipeline hands the model that its config makes
+        none of (`ComponentSpec.submodules`), on the meta device: parts of the eager model as the
+        pipeline makes it (kept as buffers: its state dict holds them, no LoRA targets them)."""
+        prefixes = tuple(f"{name}." for name in self._spec.submodules if getattr(model, name, None) is None)
+        return {fqn: torch.empty(tensor.shape, dtype=dtype, device="meta") for fqn, tensor in self._weights.items()
+                if prefixes and fqn.startswith(prefixes)}
 
     def eager_tensor(self, name: str) -> tuple[torch.Tensor, bool]:
         """An eager parameter or buffer made of the bound weights (see `named_parameters`), and
@@ -236,7 +291,8 @@ class CompiledComponent(StandIn):
         """The eager module's parameters and buffers by name, on the meta device (shapes only)."""
         from .lora import meta_model
 
-        return module_tensors(self._spec.export_module(meta_model(self.config, torch.float32)))
+        model = self._spec.export_module(meta_model(self.config, torch.float32))
+        return module_tensors(model) | self._handed_in(model, torch.float32)
 
     @property
     def lock(self) -> Any:

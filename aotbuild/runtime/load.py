@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from ..spec.manifest import (
     sha256_file,
     validated_with_tf32,
 )
-from ..spec.pipelines import MULTI_CONTROLNETS, PipelineSpec, pipeline_spec, runtime_config_keys
+from ..spec.pipelines import MULTI_CONTROLNETS, ComponentSpec, PipelineSpec, pipeline_spec, runtime_config_keys
 from ..spec.private_apis import accept_compiled_class
 from .artifacts import artifact_folder
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
@@ -262,11 +262,12 @@ def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: st
     else:  # the artifact's file gives the layouts only: mapped, never read
         config = checkpoint_config(name, entry["config"], source.config, type(source),
                                    runtime_config_keys(spec.component(name), manifest["target"]["dtype"]))
+        module = spec.component(name).export_module(source)
+        stored_tensors = load_weights(stored, torch.device("cpu"), layouts, read_ahead=False)
         tensors = checkpoint_constants(
-            name, module_tensors(spec.component(name).export_module(source)),
-            load_weights(stored, torch.device("cpu"), layouts, read_ahead=False),
-            DTYPES[entry["dtype"]], recipe, context.device, entry.get("unread", ()),
-            optional=entry.get("ip_adapter", {}).get("shapes", ()))
+            name, module_tensors(module), stored_tensors, DTYPES[entry["dtype"]], recipe, context.device,
+            entry.get("unread", ()), optional={*entry.get("ip_adapter", {}).get("shapes", ()),
+                                               *_not_handed_yet(spec.component(name), module, stored_tensors)})
     package = folder / entry["package"]  # extracted only from bytes of the checked hash
     sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
     variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
@@ -280,6 +281,14 @@ def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: st
     if source is not None and component.ip_adapter is not None:  # the pipeline's own adapter, at its scales
         component.ip_adapter.adopt(spec.component(name).export_module(source))
     return component
+
+
+def _not_handed_yet(spec: ComponentSpec, module: torch.nn.Module, names: Iterable[str]) -> set[str]:
+    """The constants of the submodules a pipeline hands the model when it is made
+    (`ComponentSpec.submodules`) that `module` holds none of yet (an SD3.5 Large ControlNet read
+    from its checkpoint alone): they keep the artifact's until the pipeline hands its own."""
+    prefixes = tuple(f"{name}." for name in spec.submodules if getattr(module, name, None) is None)
+    return {name for name in names if prefixes and name.startswith(prefixes)}
 
 
 class UncuratedPipelineWarning(UserWarning):

@@ -136,6 +136,12 @@ class ComponentSpec:
             None: nothing.
         capture_arguments: arguments of the pipeline's call a capture passes for this component,
             given its config (a ControlNet-Union's control mode); None: none.
+        submodules: submodules the pipeline reads off the model or hands it when it is made (an
+            SD3.5 Large ControlNet is given a copy of the SD3 transformer's `pos_embed`): the
+            stand-in gives one read as a module over its bound weights, and writes one handed to
+            it into them through the recorded passes, as eager's copy is.
+        methods: methods of the model's class the pipeline calls on it, run as the class's own on
+            the stand-in (their code reads only what the stand-in keeps).
     """
 
     name: str
@@ -157,6 +163,8 @@ class ComponentSpec:
     class_checked: bool = False
     prepare: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]] | None = None
     capture_arguments: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    submodules: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
 
     @property
     def per_step(self) -> bool:
@@ -406,13 +414,19 @@ def _union_scaled(config: Mapping[str, Any], outputs: Any, kwargs: dict[str, Any
 UNION_CONTROLNET = dataclasses.replace(CONTROLNET, call_inputs=_union_unscaled, prepare=_one_condition,
                                        finish=_union_scaled, capture_arguments=_first_mode)
 
+# SD3.5 Large's ControlNets (`use_pos_embed = false`) have no position embedding of their own: the
+# pipeline hands each a copy of the transformer's when it is made (`_get_pos_embed_from_transformer`,
+# which reads the transformer's `inner_dim` and `pos_embed`).
 SD3_CONTROLNET = dataclasses.replace(
     CONTROLNET,
     call_inputs=_unscaled_samples,
     output_class="diffusers.models.controlnets.controlnet_sd3.SD3ControlNetOutput",
     output_fields=("controlnet_block_samples",),
     finish=_scaled_samples,
+    submodules=("pos_embed",),
+    methods=("_get_pos_embed_from_transformer",),
 )
+SD3_TRANSFORMER = dataclasses.replace(TRANSFORMER, read_attributes=("inner_dim",), submodules=("pos_embed",))
 
 # The model diffusers holds several ControlNets of a class in (a pipeline given a list of them): each
 # is a compiled one. (Flux's calls one ControlNet-Union once per control image given with it.)
@@ -506,7 +520,7 @@ PIPELINES: dict[str, PipelineSpec] = {
     ),
     "StableDiffusion3Pipeline": PipelineSpec(
         class_name="StableDiffusion3Pipeline",
-        components={"transformer": TRANSFORMER, "vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER},
+        components={"transformer": SD3_TRANSFORMER, "vae_decoder": VAE_DECODER, "vae_encoder": VAE_ENCODER},
         pixel_stride=_patch_pixel_stride,
         default_stride=16,  # SD3 medium: VAE factor 8 x patch 2
         default_pixels=_denoiser_sample_size("transformer"),
