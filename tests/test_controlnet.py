@@ -439,14 +439,18 @@ def test_run_takes_a_control_mode_for_a_controlnet_union(union, flux, tmp_path):
     ("cpu-tiny-sd3-controlnet", "SD3ControlNetModel", {"extra_conditioning_channels": 1},
      r"the ControlNet inpaints: it takes a mask beside the image \(extra_conditioning_channels = 1\), which "
      r"StableDiffusion3ControlNetPipeline does not give it"),
+    ("cpu-tiny-sd3-controlnet-inpaint", "SD3ControlNetModel", {"use_pos_embed": False},
+     r"the ControlNet takes the transformer's position embedding \(use_pos_embed = false\), which "
+     r"StableDiffusion3ControlNetInpaintingPipeline does not hand it"),
     ("cpu-tiny-sd3-controlnet-inpaint", "SD3ControlNetModel", {"extra_conditioning_channels": 0},
      r"the ControlNet takes 0 channels beside the image \(extra_conditioning_channels = 0\), and "
      r"StableDiffusion3ControlNetInpaintingPipeline gives its ControlNet the masked image with one: the mask"),
-], ids=["xlabs", "inpainting-in-sd3", "plain-in-sd3-inpainting"])
+], ids=["xlabs", "inpainting-in-sd3", "sd35-large-in-sd3-inpainting", "plain-in-sd3-inpainting"])
 def test_a_controlnet_of_a_form_not_compiled_is_refused_before_capture(tmp_path, target_name, model, change, refusal):
-    """XLabs' Flux ControlNets (an input_hint_block module), and an SD3 ControlNet in the SD3
-    pipeline that gives it another input (a mask, or none) are refused by a build before it
-    captures anything."""
+    """XLabs' Flux ControlNets (an input_hint_block module), an SD3 ControlNet in the SD3 pipeline
+    that gives it another input (a mask, or none), and one without a position embedding of its own
+    in the inpainting pipeline, which hands it none, are refused by a build before it captures
+    anything."""
     import dataclasses
     import json
 
@@ -599,6 +603,43 @@ def test_sd35_large_controlnet_takes_the_position_embedding_of_the_pipelines_tra
                           **scale)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture, control", [
+    ("sd35_large", {"control_image": seeded_image(64, 64)}),
+    ("sd3_inpaint", {"control_image": seeded_image(64, 64), "control_mask": repaint_mask(64, 64)}),
+], ids=["sd35-large", "sd3-inpainting"])
+def test_sd3_controlnets_on_a_fine_tuned_checkpoint_and_another_scheduler(request, fixture, control, tmp_path):
+    """`weights=` a fine-tuned base checkpoint (which holds no ControlNet) with a ControlNet of the
+    user's: the compiled transformer runs the checkpoint's weights (and an SD3.5 Large ControlNet
+    its transformer's position embedding), as the eager pipeline made of them; then another
+    scheduler, and `.to()` the dtype the artifact computes, all == eager."""
+    target, built, _, _ = request.getfixturevalue(fixture)
+    base = eager_pipeline(target, seed=3).components
+    diffusers.StableDiffusion3Pipeline(**{k: v for k, v in base.items() if k != "controlnet"}).save_pretrained(
+        tmp_path / "finetune")
+    other = _other_model(base["controlnet"], 7)
+    compiled = aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune", controlnet=copy.deepcopy(other))
+    reference = getattr(diffusers, target.pipeline)(**{**eager_pipeline(target, seed=3).components,
+                                                       "controlnet": copy.deepcopy(other)})
+    if fixture == "sd35_large":
+        assert torch.equal(compiled.controlnet.state_dict()["pos_embed.proj.weight"],
+                           base["transformer"].pos_embed.proj.weight)
+    same_as_eager(run_sd3, compiled, reference, ATOL, **control)
+    if fixture == "sd35_large":  # two, each handed the checkpoint's; and apply() on the user's own pipeline
+        nets = [other, _other_model(base["controlnet"], 8)]
+        two = {"control_image": [control["control_image"]] * 2, "controlnet_conditioning_scale": [0.4, 0.9]}
+        reference_two = getattr(diffusers, target.pipeline)(**{**eager_pipeline(target, seed=3).components,
+                                                               "controlnet": copy.deepcopy(nets)})
+        same_as_eager(run_sd3, aotbuild.load_pipeline(built.folder, weights=tmp_path / "finetune",
+                                                      controlnet=copy.deepcopy(nets)), reference_two, ATOL, **two)
+        users = getattr(diffusers, target.pipeline)(**{**eager_pipeline(target, seed=3).components,
+                                                       "controlnet": copy.deepcopy(other)})
+        same_as_eager(run_sd3, aotbuild.apply(users, built.folder), reference, ATOL, **control)
+    for pipe in (compiled, reference):
+        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=1.5)
+    same_as_eager(run_sd3, compiled.to(torch.float32), reference, ATOL, **control)
+
+
 @pytest.fixture(scope="module")
 def sd3_inpaint(tmp_path_factory):
     return loaded(tmp_path_factory, "cpu-tiny-sd3-controlnet-inpaint")
@@ -663,7 +704,8 @@ def test_run_inpaints_through_sd3s_controlnet(sd3_inpaint, tmp_path):
     ("sd3", {"control_image": seeded_image(64, 64)}),
     ("sd3_inpaint", {"control_image": seeded_image(64, 64), "control_mask": repaint_mask(64, 64)}),
     ("sdxl_union", {"control_image": seeded_image(64, 64), "control_mode": 2}),
-], ids=["sd3", "sd3-inpainting", "sdxl-union"])
+    ("sd35_large", {"control_image": seeded_image(64, 64)}),
+], ids=["sd3", "sd3-inpainting", "sdxl-union", "sd35-large"])
 def test_a_lora_on_the_denoiser_beside_sd3s_controlnets_and_a_union(request, fixture, control, tmp_path):
     """A LoRA loaded into the compiled pipeline goes to its denoiser, beside SD3's ControlNets and
     SDXL's ControlNet-Union as beside a plain ControlNet: == eager with the same LoRA, and not the

@@ -236,6 +236,10 @@ def _check_controlnet_form(controlnet: Any, pipeline: str) -> None:
                          f"{extra}), and {pipeline} gives its ControlNet the masked image with one: the mask",
                          hint="build it as a StableDiffusion3ControlNetPipeline target, or with an inpainting "
                               "ControlNet (Alimama's, extra_conditioning_channels = 1)")
+    if masked and config.get("use_pos_embed") is False:
+        raise BuildError(f"the ControlNet takes the transformer's position embedding (use_pos_embed = false), which "
+                         f"{pipeline} does not hand it (eager fails too)",
+                         hint="build it as a StableDiffusion3ControlNetPipeline target")
     if getattr(controlnet, "input_hint_block", None) is not None:
         raise BuildError("the ControlNet takes the control image's pixels through an input_hint_block (XLabs' Flux "
                          "ControlNets), a module the compiled pipeline's stand-in does not keep: not compiled by "

@@ -13,7 +13,7 @@ from ..runtime import CompiledComponent
 from ..runtime.load import load_built_ip_adapter
 from ..runtime.regional import component_variants
 from ..runtime.variant import LoadContext
-from ..spec.manifest import sha256_file, validated_with_tf32, write_manifest
+from ..spec.manifest import validated_with_tf32, write_manifest
 from ..spec.pipelines import PipelineSpec
 from ..spec.private_apis import pytree
 from . import optimize
@@ -82,8 +82,8 @@ def validate_artifact(out: Path, manifest: dict[str, Any], modules: dict[str, An
             if problem := beyond_tolerance(worst, tolerance):
                 failures.append(f"{name} {variant.name}: {problem}")
         if any(getattr(variant, "graph_pool", None) is not None for variant in loaded.values()):
-            graph_failures += _check_cuda_graphs(out / entry["package"], entry, name, component, reference,
-                                                 validated_with_tf32(manifest))
+            graph_failures += _check_cuda_graphs(out / entry["package"], manifest["files"][entry["package"]]["sha256"],
+                                                 entry, name, component, reference, validated_with_tf32(manifest))
     if graph_failures:  # a wrong replay is a defect, not drift: no flag accepts it
         raise BuildError("; ".join(graph_failures), hint="set cuda_graphs = false in the target")
     if failures and not allow_drift:
@@ -124,15 +124,15 @@ def validate_loop(manifest: dict[str, Any], modules: dict[str, Any], pipe: Any, 
     return record
 
 
-def _check_cuda_graphs(package: Path, entry: dict[str, Any], name: str, component: CompiledComponent,
+def _check_cuda_graphs(package: Path, sha256: str, entry: dict[str, Any], name: str, component: CompiledComponent,
                        reference: dict, tf32: bool) -> list[str]:
     """The runtime's graph mode, as loaded (every bucket of the component captured into one shared
     pool), against plain runs of the same models on the same weights: each replayed on the captured
     inputs, then on new random ones. Records each variant's largest relative difference in its
     numerics (in `entry`); returns the failures."""
     graphed = {v.name: v for v in component.variants if getattr(v, "graph_pool", None) is not None}
-    opened, _ = component_variants(package, entry, component.weights, sha256_file(package),
-                                   entry["constants"]["layouts"], LoadContext(component.device, tf32=tf32))
+    opened, _ = component_variants(package, entry, component.weights, sha256, entry["constants"]["layouts"],
+                                   LoadContext(component.device, tf32=tf32))
     plain = {v.name: v for v in opened}
     generator = torch.Generator().manual_seed(0)
     diffs: dict[str, float] = dict.fromkeys(graphed, 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import importlib
 import inspect
 import math
@@ -86,6 +87,7 @@ class CompiledComponent(StandIn):
         # What each was made as, its version then, and whether it is a copy of the bound memory.
         self._handed: dict[str, tuple[torch.Tensor, int, bool]] = {}
         self._eager_shapes: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]] | None = None
+        self._meta_submodules: dict[str, torch.nn.Module | None] = {}  # `_submodule`'s, on the meta device
         self._weights_seen = False  # parameters() or state_dict() gave the bound tensors out
         self._replaced: str | None = None  # a bound tensor the eager fallback does not have
         self._signature: Any = None
@@ -137,15 +139,19 @@ class CompiledComponent(StandIn):
         makes none: SD3.5 Large's ControlNet's `pos_embed`, handed to it by the pipeline). It holds
         the bound tensors themselves, as `named_parameters` gives them: what a pipeline reads of it
         (`state_dict()`) is what the compiled code computes with."""
-        from .lora import meta_model
+        if name not in self._meta_submodules:  # the model's layout, built once
+            from .lora import meta_model
 
-        module = getattr(self._spec.export_module(meta_model(self.config, self._dtype)), name, None)
-        if module is None:
+            self._meta_submodules[name] = getattr(self._spec.export_module(meta_model(self.config, self._dtype)),
+                                                  name, None)
+        if self._meta_submodules[name] is None:
             return None
+        module = copy.deepcopy(self._meta_submodules[name])
         tensors = {key: self.eager_tensor(f"{name}.{key}")[0] for key in module.state_dict(keep_vars=True)}
         if lacking := sorted(key for key, tensor in tensors.items() if tensor.is_meta):
             raise UnsupportedCallError(f"{self.component_name}.{name}: the compiled code keeps no {lacking[0]!r} "
                                        f"(it was compiled into the code as a constant)")
+        self._weights_seen = True  # handed out by pointer, as parameters() hands them
         module.load_state_dict(tensors, assign=True)
         return module
 
@@ -155,8 +161,15 @@ class CompiledComponent(StandIn):
         is. Unchanged ones (the artifact's own transformer's) are not written: no copy of a mapped
         file's pages."""
         state = {f"{name}.{key}": tensor for key, tensor in module.state_dict().items()}
+        read = {fqn for fqn in self.eager_tensors() if fqn.startswith(f"{name}.")}
+        if set(state) != read:  # another architecture's: nothing is written, nothing ignored
+            differing = sorted(set(state) ^ read)
+            raise WeightsMismatchError(f"{self.component_name}.{name} = {type(module).__name__}(...): the compiled "
+                                       f"code reads {len(read)} tensors of it, this one has {len(state)} "
+                                       f"({differing[0]!r} differs): another architecture than the artifact's")
         with torch.no_grad():
-            if all(torch.equal(self.eager_tensor(fqn)[0], tensor.to(self._dtype)) for fqn, tensor in state.items()):
+            current = {fqn: self.eager_tensor(fqn)[0] for fqn in state}
+            if all(torch.equal(now, state[fqn].to(now.device, self._dtype)) for fqn, now in current.items()):
                 return
         self.load_state_dict(state, strict=False)
 
