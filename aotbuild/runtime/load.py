@@ -46,7 +46,7 @@ from .hub import check_trusted
 from .lora import lora_component_class
 from .regional import RegionalComponent, component_variants
 from .variant import LoadContext
-from .weights import dtype_name, load_weights, release_packed
+from .weights import dtype_name, load_weights, page_releaser
 
 # Threads inside `quiet_libraries()`, with their nesting depth: their log records below ERROR are dropped.
 _QUIET_THREADS: dict[int, int] = {}
@@ -270,9 +270,9 @@ def _load_component(folder: Path, files: Any, manifest: dict[str, Any], name: st
                                                *_not_handed_yet(spec.component(name), module, stored_tensors)})
     package = folder / entry["package"]  # extracted only from bytes of the checked hash
     sha256 = files.sha256.get(entry["package"]) or sha256_file(files.path(entry["package"]))
-    variants, regional = component_variants(package, entry, tensors, sha256, layouts, context)
-    if source is None and regional is None:  # weights only packed: read once, now out of memory
-        release_packed(stored, variants, tensors)
+    # The artifact's own weights, read only to be packed: out of memory as soon as packed.
+    release = page_releaser(stored) if source is None else None
+    variants, regional = component_variants(package, entry, tensors, sha256, layouts, context, release)
     base, extra = (RegionalComponent, {"regional": regional}) if regional else (CompiledComponent, {})
     cls = lora_component_class(base) if spec.component(name).denoiser else base
     described = {**entry, "config": config, "pipeline": manifest["target"]["pipeline"], "quantize": recipe,

@@ -15,6 +15,7 @@ memory_format=channels_last), [1, 1], [1, 1], [1, 1], 1, [2, 320, 16, 16])`.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,7 +107,10 @@ class PreparedConstants:
     weight's in-place writes by itself: `refresh` watches only the weights of the others (the
     check runs before every call: a third of tiny SDXL's UNet weights are read by views alone)."""
 
-    def __init__(self, recipes: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor], package: Any) -> None:
+    def __init__(self, recipes: dict[str, dict[str, Any]], weights: dict[str, torch.Tensor], package: Any,
+                 release: Callable[[list[str]], Any] | None = None) -> None:
+        """`release`: given the weights (FQNs) a constant just made is a copy of, takes their pages
+        out of memory (a load's, `weights.page_releaser`): each weight goes as soon as it is packed."""
         self._recipes = recipes
         self._reads = {name: sorted(sources(recipe)) for name, recipe in recipes.items()}
         needed = set().union(*self._reads.values()) if recipes else set()
@@ -114,7 +118,11 @@ class PreparedConstants:
             raise CorruptArtifactError(f"{package}: the weights file lacks {missing[0]!r}, which a prepared "
                                        f"constant is made from")
         self._sources = {fqn: weights[fqn] for fqn in needed}
-        self.tensors = {name: prepare(recipe, self._sources) for name, recipe in recipes.items()}
+        self.tensors = {}
+        for name, recipe in recipes.items():
+            made = self.tensors[name] = prepare(recipe, self._sources)
+            if release is not None and not _views_its_weights(made, [self._sources[f] for f in self._reads[name]]):
+                release(self._reads[name])
         self._watch()
 
     def _watch(self) -> None:

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,14 @@ class RegionalComponent(CompiledComponent):
 
 def component_variants(package: Path, entry: dict[str, Any], weights: dict[str, torch.Tensor], sha256: str,
                        layouts: dict[str, dict], context: LoadContext,
+                       release: Callable[[Iterable[torch.Tensor]], Any] | None = None,
                        ) -> tuple[list[CompiledVariant], RegionalModel | None]:
     """A component entry's variants, bound to `weights`, and for a regional entry its model (None
-    for a whole-model entry, whose variants are compiled models of their own)."""
+    for a whole-model entry, whose variants are compiled models of their own). `release`: as
+    `CompiledVariant` takes it (a whole-model entry's)."""
     if entry.get("mode") != "regional":
-        return [CompiledVariant(package, v, weights, sha256, layouts, context) for v in entry["variants"]], None
+        return [CompiledVariant(package, v, weights, sha256, layouts, context, release)
+                for v in entry["variants"]], None
     model = RegionalModel(package, entry, weights, sha256, layouts, context)
     return [RegionalVariant(v, model, context) for v in entry["variants"]], model
 

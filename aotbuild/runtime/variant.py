@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,7 +174,10 @@ class CompiledVariant:
     _prepared: PreparedConstants | None = None  # optimize.prepack's constants (a region's variant: none)
 
     def __init__(self, package: Path, entry: dict[str, Any], weights: dict[str, torch.Tensor], sha256: str,
-                 layouts: dict[str, dict] | None, context: LoadContext) -> None:
+                 layouts: dict[str, dict] | None, context: LoadContext,
+                 release: Callable[[Iterable[torch.Tensor]], Any] | None = None) -> None:
+        """`release`: takes weights' pages out of memory (`weights.page_releaser`, at a load of the
+        artifact's own weights): each weight read only to be packed, once packed."""
         self._init_signature(entry, context)
         # A region's variant is one of several models of the package (`model`); else it is named so.
         self._model = open_model(package, sha256, entry.get("model", self.name), context.device)
@@ -182,7 +185,9 @@ class CompiledVariant:
         self._fqns = set(self.constant_fqns)
         recipes = entry.get("prepared", {})
         if recipes:  # constants made from the weights at load (optimize.prepack), remade when those change
-            self._prepared = PreparedConstants(recipes, weights, package)
+            read = self._fqns - set(recipes)  # by the code itself, by pointer: their pages stay
+            self._prepared = PreparedConstants(recipes, weights, package, release and (
+                lambda fqns: release([weights[fqn] for fqn in fqns if fqn not in read])))
         # The tensors bound now, kept alive here for as long as the model may read them.
         self._bound = {fqn: self._prepared.tensors[fqn] if fqn in recipes else
                        bindable(weights, fqn, layouts or {}, package) for fqn in self.constant_fqns}
