@@ -78,9 +78,7 @@ class CompiledComponent(StandIn):
         self._spec = pipeline_spec(entry["pipeline"]).component(name)
         self._model_class: type | None = None  # what `__class__` says, where the pipeline checks it
         if self._spec.class_checked:  # a ModelMixin to isinstance(): from_pipe keeps it only if its type is named
-            import diffusers
-
-            self._model_class = getattr(diffusers, self.config["_class_name"])
+            self._model_class = self._class()
             accept_compiled_class(type(self))
         self._eager = [eager] if eager is not None else []  # a list: not registered as a submodule
         self._parameters_out: dict[str, torch.nn.Parameter] = {}  # handed out by named_parameters()
@@ -161,7 +159,8 @@ class CompiledComponent(StandIn):
         is. Unchanged ones (the artifact's own transformer's) are not written: no copy of a mapped
         file's pages."""
         state = {f"{name}.{key}": tensor for key, tensor in module.state_dict().items()}
-        read = {fqn for fqn in self.eager_tensors() if fqn.startswith(f"{name}.")}
+        params, buffers, _ = self.eager_names()  # made once, the handed-in ones included
+        read = {fqn for fqn in [*params, *buffers] if fqn.startswith(f"{name}.")}
         if set(state) != read:  # another architecture's: nothing is written, nothing ignored
             differing = sorted(set(state) ^ read)
             raise WeightsMismatchError(f"{self.component_name}.{name} = {type(module).__name__}(...): the compiled "
@@ -241,7 +240,7 @@ class CompiledComponent(StandIn):
         """The bound weights of the submodules a pipeline hands the model that its config makes
         none of (`ComponentSpec.submodules`), on the meta device: parts of the eager model as the
         pipeline makes it (kept as buffers: its state dict holds them, no LoRA targets them)."""
-        prefixes = tuple(f"{name}." for name in self._spec.submodules if getattr(model, name, None) is None)
+        prefixes = self._spec.unheld_submodules(model)
         return {fqn: torch.empty(tensor.shape, dtype=dtype, device="meta") for fqn, tensor in self._weights.items()
                 if prefixes and fqn.startswith(prefixes)}
 

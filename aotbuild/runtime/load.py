@@ -287,7 +287,7 @@ def _not_handed_yet(spec: ComponentSpec, module: torch.nn.Module, names: Iterabl
     """The constants of the submodules a pipeline hands the model when it is made
     (`ComponentSpec.submodules`) that `module` holds none of yet (an SD3.5 Large ControlNet read
     from its checkpoint alone): they keep the artifact's until the pipeline hands its own."""
-    prefixes = tuple(f"{name}." for name in spec.submodules if getattr(module, name, None) is None)
+    prefixes = spec.unheld_submodules(module)
     return {name for name in names if prefixes and name.startswith(prefixes)}
 
 

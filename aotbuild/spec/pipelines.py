@@ -171,6 +171,11 @@ class ComponentSpec:
         """Called every step on the denoiser's batch: the denoiser, or a model beside it."""
         return self.denoiser or self.beside_denoiser
 
+    def unheld_submodules(self, model: Any) -> tuple[str, ...]:
+        """The name prefixes (`pos_embed.`) of the `submodules` the pipeline hands the model that
+        `model` holds none of yet: its config makes none, or it was read from its checkpoint alone."""
+        return tuple(f"{name}." for name in self.submodules if getattr(model, name, None) is None)
+
 
 @dataclass(frozen=True)
 class PipelineSpec:
