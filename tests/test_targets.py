@@ -330,6 +330,44 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
     assert derived_spec("WanPipeline").makes_video and not derived_spec("PixArtSigmaPipeline").makes_video
 
 
+@pytest.mark.parametrize(("pipeline", "refusal"), [
+    ("OnnxStableDiffusionPipeline", r"runs its unet outside torch \(OnnxRuntimeModel\): there is nothing for aotbuild "
+                                    r"to compile; build the torch pipeline"),
+    ("StableCascadeDecoderPipeline", r"denoises with a `decoder` and no `transformer` or `unet`: a pipeline of stages"),
+    ("KandinskyV22PriorPipeline", r"denoises with a `prior` and no `transformer` or `unet`"),
+    ("StableAudioPipeline", r"makes audio, not images or videos"),
+    ("StableDiffusionXLPAGPipeline", r"guides with perturbed attention \(PAG\): its call swaps the denoiser's "
+                                     r"attention for part of each batch"),
+    ("KandinskyV22Pipeline", r"takes no text prompt \(its call starts from `image_embeds`\)"),
+    ("DiTPipeline", r"takes no text prompt \(its call starts from `class_labels`\)"),
+    ("StableDiffusionLatentUpscalePipeline", r"upscales the image it is given \(its output's pixels are a multiple "
+                                             r"of the image's\)"),
+])
+def test_a_pipeline_aotbuild_cannot_capture_is_refused_by_what_it_makes_and_takes(tmp_path, pipeline, refusal):
+    """Read before anything is loaded: the target names why, in what the pipeline makes and takes."""
+    write_target(tmp_path, GOOD.replace("StableDiffusionXLPipeline", pipeline))
+    with pytest.raises(TargetError, match=rf"key 'pipeline': pipeline '{pipeline}' {refusal}"):
+        load_target(tmp_path / "t.toml")
+
+
+def test_a_derived_pipeline_is_captured_with_the_pictures_its_call_takes():
+    """img2img starts from an image (at strength 1: text-to-image's steps), inpainting adds a mask,
+    a Control pipeline its control image; a text-to-image call takes none."""
+    from PIL import Image
+
+    from aotbuild.spec.pipelines import derived_spec
+
+    def pictures(pipeline):
+        extras = derived_spec(pipeline).call_extras(1, 32, 48) or {}
+        return {name: value.size if isinstance(value, Image.Image) else value for name, value in extras.items()}
+
+    assert pictures("FluxImg2ImgPipeline") == {"image": (48, 32), "strength": 1.0}
+    assert pictures("FluxFillPipeline") == {"image": (48, 32), "mask_image": (48, 32), "strength": 1.0}
+    assert pictures("FluxControlPipeline") == {"control_image": (48, 32)}
+    assert pictures("StableDiffusionXLInstructPix2PixPipeline") == {"image": (48, 32)}
+    assert pictures("PixArtSigmaPipeline") == {} and pictures("Flux2Pipeline") == {}
+
+
 def test_what_aotbuild_reads_of_diffusers_code_is_there_in_the_installed_diffusers():
     """Read as text (no public API says them; private_apis.py): the multiple a pipeline's input
     check holds sizes to, the model attributes a pipeline reads, a forward's output class. A

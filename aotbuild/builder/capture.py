@@ -249,6 +249,8 @@ def call_arguments(pipe: Any, *, batch: int, height: int, width: int, guidance_s
     output type."""
     count = per_prompt(type(pipe).__call__)
     prompt: dict[str, Any] = {"prompt": capture_prompt(text), count: batch}
+    if count not in inspect.signature(type(pipe).__call__).parameters:  # one image per prompt
+        prompt = {"prompt": [capture_prompt(text)] * batch}
     if prompt_embeds is not None:
         prompt = {**prompt_embeds, count: 1}
     if text is not None:

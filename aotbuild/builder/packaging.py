@@ -306,8 +306,9 @@ def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, c
         # defaults diffusers filled in, sorted (it lists them from a set: an order per process).
         "config": {k: sorted(v) if k == "_use_default_values" else v for k, v in module.config.items()
                    if k != "_name_or_path"},
-        "attributes": {a: value for a in spec.read_attributes
-                       if plain_attribute(value := _get_dotted(module, a, None))},
+        "attributes": {a: value for a in spec.read_attributes  # that the model has (Chroma's
+                       # `encoder_hid_proj.num_ip_adapters` where `encoder_hid_proj` is None: not)
+                       if (value := _get_dotted(module, a, _ABSENT)) is not _ABSENT and plain_attribute(value)},
         **({"ip_adapter": form} if (form := loaded_form(module)) is not None else {}),
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},
@@ -413,6 +414,9 @@ def write_package(out: Path, name: str, compiled: dict[str, list], programs: dic
     save_file({k: v.cpu() for k, v in stored.items()}, os.fspath(out / weights_file))
     (out / weights_file).chmod(0o644)
     return constants, layouts
+
+
+_ABSENT = object()
 
 
 def _get_dotted(obj: Any, dotted: str, *default: Any) -> Any:

@@ -207,10 +207,14 @@ def component_classes(folder: Path) -> dict[str, type]:
 
 
 def _component_class(library: str, class_name: str) -> type:
-    try:
-        return getattr(importlib.import_module(library), class_name)
-    except (ImportError, AttributeError):
-        raise SourceError(f"component class {library}.{class_name} is not available") from None
+    # A library that is a diffusers pipeline module's name holds a component of that pipeline's own
+    # (StableUnCLIP's `["stable_diffusion", "StableUnCLIPImageNormalizer"]`), as diffusers reads it.
+    for module in (library, f"diffusers.pipelines.{library}"):
+        try:
+            return getattr(importlib.import_module(module), class_name)
+        except (ImportError, AttributeError):
+            continue
+    raise SourceError(f"component class {library}.{class_name} is not available")
 
 
 # Seconds this process spent giving models random weights: work a real source does not do (it

@@ -669,11 +669,57 @@ def pipeline_spec(class_name: str) -> PipelineSpec:
     """The spec of a pipeline class: its entry, else one derived from the diffusers class."""
     spec = PIPELINES.get(class_name) or derived_spec(class_name)
     if spec is None:
-        raise TargetError(
-            f"pipeline {class_name!r} is neither one aotbuild knows ({', '.join(PIPELINES)}) nor a diffusers "
-            f"pipeline class with a transformer or unet to compile"
-        )
+        reason = not_derivable(class_name)
+        if reason is None:
+            raise TargetError(
+                f"pipeline {class_name!r} is neither one aotbuild knows ({', '.join(PIPELINES)}) nor a diffusers "
+                f"pipeline class with a transformer or unet to compile"
+            )
+        raise TargetError(f"pipeline {class_name!r} {reason}")
     return spec
+
+
+def not_derivable(class_name: str) -> str | None:
+    """Why a diffusers pipeline class gets no derived spec, in what it makes and takes (None: not a
+    diffusers pipeline class, or one that gets a spec)."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        return None
+    init = inspect.signature(cls.__init__).parameters
+    call = inspect.signature(cls.__call__).parameters
+    types = _component_types(cls)
+    if any("audio" in name for name in call):
+        return "makes audio, not images or videos: aotbuild compiles image and video pipelines"
+    held = next((name for name in ("transformer", "unet") if name in init), None)
+    try:
+        hint = typing.get_type_hints(cls.__init__).get(held)
+    except (NameError, TypeError):  # an annotation that does not resolve here
+        hint = None
+    if held is not None and held not in types and isinstance(hint, type):  # a class, not a diffusers model
+        return (f"runs its {held} outside torch ({hint.__name__}): there is nothing for aotbuild to compile; build "
+                f"the torch pipeline of the same model")
+    if held is None:
+        denoiser = next((name for name in ("prior", "decoder") if name in init), None)
+        if denoiser is None:
+            return None
+        return (f"denoises with a `{denoiser}` and no `transformer` or `unet`: a pipeline of stages (a prior's image "
+                f"embeddings, then a decoder), which aotbuild does not compile; it compiles pipelines that make "
+                f"images or videos from a prompt with one transformer or UNet")
+    if "prompt" not in call:
+        first = next(name for name in call if name != "self")
+        return (f"takes no text prompt (its call starts from `{first}`): aotbuild captures pipelines prompted with "
+                f"text")
+    if "pag_scale" in call:
+        return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each batch, "
+                "which aotbuild does not compile; build the pipeline without PAG")
+    if "Upscale" in class_name:  # its output is larger than the image it denoises: no size of a call's to compile
+        return ("upscales the image it is given (its output's pixels are a multiple of the image's): aotbuild compiles "
+                "pipelines that make the size a call names, or the size of the image they start from")
+    if not {"height", "width"} <= call.keys() and "image" not in call:
+        return "takes neither a height and width nor an image to size its output by"
+    return None
 
 
 @functools.cache
@@ -692,6 +738,8 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     types = _component_types(cls)
     attribute = next((a for a in ("transformer", "unet") if a in types), None)
     if attribute is None:
+        return None
+    if "prompt" not in inspect.signature(cls.__call__).parameters or not_derivable(class_name):
         return None
     model = types[attribute]
     takes_return_dict = "return_dict" in inspect.signature(model.forward).parameters
@@ -713,7 +761,7 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
         class_name=class_name, components=components,
         pixel_stride=functools.partial(_lcm_stride, stride, multiple),
         default_stride=math.lcm(64 if attribute == "unet" else 16, multiple), default_pixels=None,
-        prompt_embeds=None, curated=False, capture_extras=_image_extras if requires_image(cls) else None,
+        prompt_embeds=None, curated=False, capture_extras=_picture_extras(cls),
         makes_video=FRAMES in inspect.signature(cls.__call__).parameters)  # Wan's, CogVideoX's, LTX's
 
 
@@ -787,9 +835,27 @@ def edits_image(cls: type) -> bool:
     return "image" in parameters and "strength" not in parameters and control_image_argument(cls) != "image"
 
 
-def _image_extras(batch: int, height: int, width: int) -> dict[str, Any]:
-    """The image a pipeline that requires one is captured with: seeded, at the call's size."""
-    return {"image": seeded_image(height, width)}
+def _picture_extras(cls: type) -> Callable[[int, int, int], dict[str, Any]] | None:
+    """The pictures a derived pipeline's capture passes, by the arguments its call takes: the
+    image a pipeline requires, or img2img starts from (it takes a `strength`: captured at 1, so
+    its steps are text-to-image's), inpaints (`mask_image`, `repaint_mask`) or follows
+    (InstructPix2Pix's `image_guidance_scale`); a Control pipeline's `control_image`. None: text
+    alone."""
+    parameters = inspect.signature(cls.__call__).parameters
+    names = []
+    if requires_image(cls) or "image" in parameters and parameters.keys() & {"strength", "mask_image",
+                                                                              "image_guidance_scale"}:
+        names.append("image")
+    names += [name for name in ("mask_image", "control_image") if name in parameters]
+    if not names:
+        return None
+    return functools.partial(_seeded_pictures, tuple(names), "strength" in parameters and "image" in names)
+
+
+def _seeded_pictures(names: tuple[str, ...], strength: bool, batch: int, height: int, width: int) -> dict[str, Any]:
+    pictures = {name: repaint_mask(height, width) if name == "mask_image" else seeded_image(height, width)
+                for name in names}
+    return pictures | ({"strength": 1.0} if strength else {})
 
 
 def _attributes_read(cls: type, attribute: str) -> tuple[str, ...]:
@@ -798,7 +864,8 @@ def _attributes_read(cls: type, attribute: str) -> tuple[str, ...]:
     plain values (`plain_attribute`)."""
     from .private_apis import attributes_read
 
-    return tuple(sorted(set(attributes_read(cls, attribute)) - {"config", "dtype", "device"}))
+    return tuple(sorted(path for path in set(attributes_read(cls, attribute))
+                        if path.split(".")[0] not in ("config", "dtype", "device")))
 
 
 def plain_attribute(value: Any) -> bool:
@@ -871,7 +938,8 @@ def exact_size(pipeline_class: type, height: int, width: int, *, editing: bool =
     Flux Kontext scales the size to `max_area` (1024 x 1024 by default) and resizes the edited
     image to a size it was trained at."""
     parameters = inspect.signature(pipeline_class.__call__).parameters
-    arguments: dict[str, Any] = {"height": height, "width": width}
+    # Where the call takes no size, its output is the size of the image it starts from (img2img).
+    arguments: dict[str, Any] = {"height": height, "width": width} if "height" in parameters else {}
     if frames is not None:
         arguments[FRAMES] = frames
     if "max_area" in parameters:

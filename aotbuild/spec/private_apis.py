@@ -382,14 +382,15 @@ def check_inputs_multiple(cls: type) -> int | None:
 
 
 def attributes_read(cls: type, attribute: str) -> list[str]:
-    """The attributes of `self.<attribute>` a pipeline class's code reads (Z-Image reads
-    `transformer.in_channels`). Without it: the runtime's stand-in would lack an attribute the
-    pipeline reads, and the call would fail."""
+    """The attributes of `self.<attribute>` a pipeline class's code reads, dotted paths whole
+    (Z-Image reads `transformer.in_channels`, SDXL's img2img `unet.add_embedding.linear_1.in_features`).
+    Without it: the runtime's stand-in would lack an attribute the pipeline reads, and the call
+    would fail."""
     import inspect
     import re
 
     try:
-        return re.findall(rf"self\.{attribute}\.([A-Za-z_]\w*)", inspect.getsource(cls))
+        return re.findall(rf"self\.{attribute}\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", inspect.getsource(cls))
     except (OSError, TypeError):
         return []
 
