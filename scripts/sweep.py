@@ -268,8 +268,8 @@ def sweep_one(tests: Path, class_name: str, out: Path) -> dict[str, Any]:
     (targets / f"{name}.toml").write_text(text)
     try:
         target = load_target(targets / f"{name}.toml")
-    except TargetError as exc:
-        return row | {"result": "refused", "reason": exc.message}
+    except TargetError as exc:  # its key, not this machine's path
+        return row | {"result": "refused", "reason": exc.message.removeprefix(f"{targets / name}.toml: ")}
     start = time.perf_counter()
     try:
         build(target, out / "artifacts", force=True, progress=lambda stage, message: None)
@@ -310,10 +310,13 @@ def run(args: argparse.Namespace) -> None:
                 code = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
-        if code != 0:
+        if code == "timeout":
+            result.write_text(json.dumps({"pipeline": class_name, "result": "error",
+                                          "reason": f"the sweep's {args.timeout:.0f} s per class ran out"}))
+        elif code != 0:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
             result.write_text(json.dumps({"pipeline": class_name, "result": "error",
-                                          "reason": f"exit {code}: {tail[0][:300]}"}, indent=1))
+                                          "reason": f"exit {code}: {tail[0][:300]}"}))
         row = json.loads(result.read_text())
         row |= {"family": classes.get(class_name, "-"), "seconds": round(time.perf_counter() - start, 1)}
         result.write_text(json.dumps(row, indent=1))
@@ -330,6 +333,8 @@ def one(args: argparse.Namespace) -> None:
         where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames) if "aotbuild" in f.filename), "")
         row = {"pipeline": args.pipeline, "result": "error", "reason": f"{type(exc).__name__} at {where}: {exc}"[:500]}
         traceback.print_exc()
+    row["commit"] = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                                   text=True).stdout.strip()
     (args.out / "results" / f"{args.pipeline}.json").write_text(json.dumps(row, indent=1))
 
 
@@ -346,8 +351,8 @@ def table(args: argparse.Namespace) -> None:
           "built by capture from the tiny components of diffusers' own fast test (`get_dummy_components`, made "
           "offline) and compared with eager on that test's call (`get_dummy_inputs`), the same seeded weights "
           f"both ways, within {ATOL} (images in [0, 1]). How it is made and rerun: the script's docstring.\n")
-    print(f"[Back to the README](../README.md) · related: [targets](targets.md#any-other-diffusers-pipeline-builds-"
-          f"by-capture).\n")
+    print("[Back to the README](../README.md) · related: [targets](targets.md#any-other-diffusers-pipeline-builds-"
+          "by-capture).\n")
     print(f"diffusers {diffusers.__version__}: {len(classes)} pipeline classes with a denoiser; {swept} swept.\n")
     print("| result | pipelines |\n| --- | --- |")
     for key, text in RESULTS.items():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import inspect
 
+import diffusers
 import pytest
 import torch
 
 from aotbuild.builder.capture import PendingOutput, capture_inputs, decode_pending, encode_prompt, recording
 from aotbuild.builder.targets import load_target
-from aotbuild.spec.pipelines import pipeline_spec
+from aotbuild.spec.pipelines import pipeline_spec, seeded_image
 
 from .conftest import TARGETS, eager_pipeline
 
@@ -116,3 +117,23 @@ def test_capture_from_prompt_embeddings_equals_capture_from_the_prompt(name):
     for component in from_prompt:
         a, b = from_prompt[component], from_embeds[component]
         torch.testing.assert_close((a.args, a.kwargs, a.output), (b.args, b.kwargs, b.output), rtol=0, atol=0)
+
+
+def test_a_controlnet_called_at_another_scale_is_recorded_at_the_scale_it_is_compiled_for():
+    """A ControlNet is compiled at conditioning scale 1 (the stand-in scales after it), and img2img
+    calls it at 0.8, inpainting at 0.5: its reference is its output at scale 1 on the same inputs,
+    not the call's (which failed such builds' validation by 0.25 and 1.0)."""
+    target = load_target(TARGETS / "cpu-tiny-sdxl-controlnet.toml")
+    pipe = eager_pipeline(target)
+    spec = pipeline_spec("StableDiffusionXLControlNetImg2ImgPipeline").component("controlnet")
+    img2img = diffusers.StableDiffusionXLControlNetImg2ImgPipeline.from_pipe(pipe)
+    image = seeded_image(64, 64)
+    with recording(img2img, [spec]) as calls:
+        img2img(prompt="a fox", image=image, control_image=image, num_inference_steps=2, output_type="latent",
+                controlnet_conditioning_scale=0.8)
+    call = calls["controlnet"]
+    assert call.kwargs["conditioning_scale"] == 1.0
+    with torch.no_grad():
+        down, mid = pipe.controlnet(*call.args, **call.kwargs)
+    assert all(torch.equal(got, want) for got, want in zip(call.output[0], down, strict=True))
+    assert torch.equal(call.output[1], mid) and mid.abs().max() > 0

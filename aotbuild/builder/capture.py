@@ -102,15 +102,28 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
             last = spec.part == "decoder" and name not in calls and calls.keys() >= by_name.keys() - {name}
             output = _zeros_like_call(original, args, kwargs) if last else original(*args, **kwargs)
             if name not in calls:
-                call_args, call_kwargs = detached(spec.call_inputs(args, kwargs))
-                sample = PendingOutput(*detached((args, kwargs))) if last else detached(_recorded_output(spec, output))
-                calls[name] = CapturedCall(tuple(call_args), dict(call_kwargs), sample)
+                call_args, call_kwargs = spec.call_inputs(args, kwargs)
+                reference = output
+                if not last and spec.finish is not None and _plain(call_kwargs) != _plain(kwargs):
+                    # The model is compiled for another call than this one (a ControlNet at conditioning
+                    # scale 1, the call at img2img's 0.8; the stand-in scales after it): its reference
+                    # is that call's output.
+                    with torch.no_grad():
+                        reference = original(*call_args, **call_kwargs)
+                sample = PendingOutput(*detached((args, kwargs))) if last else detached(_recorded_output(spec, reference))
+                calls[name] = CapturedCall(tuple(detached(call_args)), dict(detached(call_kwargs)), sample)
             return output
 
         return record
 
     with patched_methods({spec.name: (getattr(pipe, spec.attribute), spec.method) for spec in specs}, recorder):
         yield calls
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's keyword arguments that hold no tensor: its Python values."""
+    return {key: value for key, value in kwargs.items()
+            if not any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))}
 
 
 @contextlib.contextmanager
