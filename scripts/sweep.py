@@ -41,14 +41,14 @@ CONFIGS = ROOT / "targets" / "configs"
 DENOISERS = ("unet", "transformer", "prior", "decoder")
 ATOL = 1e-4  # images in [0, 1]: float32 compiled vs eager differ by ~1e-6 (tests/test_families.py)
 
-# The Hub repos diffusers' fast tests read, and this repo's offline stand-ins: (tokenizer folder,
-# text encoder config) under targets/configs/. Weights are random either way.
+# The Hub repos diffusers' fast tests read, and this repo's offline stand-ins: (tokenizer or processor
+# folder, text encoder config) under targets/configs/. Weights are random either way.
 OFFLINE_REPOS = {
     "hf-internal-testing/tiny-random-clip": ("tiny-sd15/tokenizer", "tiny-sd15/text_encoder"),
     "hf-internal-testing/tiny-random-t5": ("tiny-pixart-sigma/tokenizer", "tiny-pixart-sigma/text_encoder"),
     "hf-internal-testing/tiny-random-T5Model": ("tiny-pixart-sigma/tokenizer", "tiny-pixart-sigma/text_encoder"),
     "hf-internal-testing/tiny-random-umt5": ("tiny-wan/tokenizer", "tiny-wan/text_encoder"),
-    "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration": ("tiny-qwen-image/tokenizer",
+    "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration": ("tiny-qwen-image-edit/processor",
                                                                           "tiny-qwen-image/text_encoder"),
 }
 
@@ -263,13 +263,14 @@ def sweep_one(tests: Path, class_name: str, out: Path) -> dict[str, Any]:
         overrides["num_frames"] = output.shape[1]
     targets = out / "targets"
     save_config_set(pipe, targets / "configs" / class_name)
-    name = "sweep-" + class_name.lower()
-    text = target_text(name, class_name, list(spec.components), inputs, output, video, spec.edits)
-    (targets / f"{name}.toml").write_text(text)
+    target_name = "sweep-" + class_name.lower()
+    held = [name for name, component in spec.components.items() if getattr(pipe, component.attribute, None) is not None]
+    text = target_text(target_name, class_name, held, inputs, output, video, spec.edits)
+    (targets / f"{target_name}.toml").write_text(text)
     try:
-        target = load_target(targets / f"{name}.toml")
+        target = load_target(targets / f"{target_name}.toml")
     except TargetError as exc:  # its key, not this machine's path
-        return row | {"result": "refused", "reason": exc.message.removeprefix(f"{targets / name}.toml: ")}
+        return row | {"result": "refused", "reason": exc.message.removeprefix(f"{targets / target_name}.toml: ")}
     start = time.perf_counter()
     try:
         build(target, out / "artifacts", force=True, progress=lambda stage, message: None)

@@ -443,3 +443,14 @@ def test_frames_in_targets_are_checked(tmp_path):
     bucket = load_target(write_target(tmp_path, text)).shapes[0]
     assert (bucket.frames, str(bucket)) == (9, "1x32x48/9frames")
     assert json.loads(json.dumps(load_target(write_target(tmp_path, text)).to_dict()))["shapes"][0]["frames"] == 9
+
+
+def test_a_component_the_source_does_not_hold_is_refused_before_the_capture(tmp_path):
+    """Wan 2.2's pipeline class takes a second expert; a Wan 2.1 source holds none (None in its
+    model_index.json): a target naming it is refused by name, before anything runs."""
+    target = load_target(TARGETS / "cpu-tiny-wan.toml")
+    target = dataclasses.replace(target, components=(*target.components, "transformer_2"))
+    with pytest.raises(BuildError, match=r"components.transformer_2: random:tiny-wan has no transformer_2 \(its "
+                                         r"model_index.json holds none\)"):
+        build(target, tmp_path)
+    assert not (tmp_path / target.name).exists()

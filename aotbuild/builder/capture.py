@@ -110,7 +110,8 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
                     # is that call's output.
                     with torch.no_grad():
                         reference = original(*call_args, **call_kwargs)
-                sample = PendingOutput(*detached((args, kwargs))) if last else detached(_recorded_output(spec, reference))
+                sample = (PendingOutput(*detached((args, kwargs))) if last
+                          else detached(_recorded_output(spec, reference)))
                 calls[name] = CapturedCall(tuple(detached(call_args)), dict(detached(call_kwargs)), sample)
             return output
 

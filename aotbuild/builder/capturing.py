@@ -212,6 +212,11 @@ def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.devic
     if "controlnet" in components:
         _check_controlnet_form(components["controlnet"], spec.class_name)
     pipe = sources.assemble_pipeline(spec, folder, components)
+    for name in target.components:  # Wan 2.1 in a Wan 2.2 pipeline: no second expert to compile
+        attribute = spec.component(name).attribute
+        if getattr(pipe, attribute, None) is None:
+            raise BuildError(f"components.{name}: {target.source} has no {attribute} (its model_index.json holds "
+                             f"none)", hint=f"remove {name} from the target's [components]")
     if target.ip_adapter:  # its UNet is compiled with the adapter's layers, and takes any of its form
         sources.load_ip_adapter(pipe, target.ip_adapter, target.base_dir, target.seed, target.image_encoder)
     pipe.set_progress_bar_config(disable=True)

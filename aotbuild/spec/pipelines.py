@@ -712,8 +712,8 @@ def not_derivable(class_name: str) -> str | None:
         return (f"takes no text prompt (its call starts from `{first}`): aotbuild captures pipelines prompted with "
                 f"text")
     if "pag_scale" in call:
-        return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each batch, "
-                "which aotbuild does not compile; build the pipeline without PAG")
+        return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each "
+                "batch, which aotbuild does not compile; build the pipeline without PAG")
     if "Upscale" in class_name:  # its output is larger than the image it denoises: no size of a call's to compile
         return ("upscales the image it is given (its output's pixels are a multiple of the image's): aotbuild compiles "
                 "pipelines that make the size a call names, or the size of the image they start from")
