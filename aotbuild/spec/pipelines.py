@@ -714,6 +714,9 @@ def not_derivable(class_name: str) -> str | None:
     if "pag_scale" in call:
         return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each "
                 "batch, which aotbuild does not compile; build the pipeline without PAG")
+    if FRAMES not in call and any(name == "video" or name.endswith("_video") for name in call):
+        return ("makes a video from the video it is given, as many frames as that video has: aotbuild compiles video "
+                "pipelines whose call names its frames (`num_frames`)")
     if "Upscale" in class_name:  # its output is larger than the image it denoises: no size of a call's to compile
         return ("upscales the image it is given (its output's pixels are a multiple of the image's): aotbuild compiles "
                 "pipelines that make the size a call names, or the size of the image they start from")
