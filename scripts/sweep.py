@@ -120,6 +120,8 @@ class OfflineHub:
             self._redirect(owner, model=True)
 
     def _redirect(self, owner: type, model: bool) -> None:
+        import transformers
+
         original = owner.__dict__["from_pretrained"].__func__
         hub = self
 
@@ -130,9 +132,11 @@ class OfflineHub:
                 return original(cls, path, *args, **kwargs)
             local = hub.folder / str(path)
             if not model:
-                return original(cls, local, *args, **kwargs)
-            import transformers
+                from aotbuild.runtime.sources import weightless
 
+                # A processor without torchvision: its image part and tokenizer, as a config set's is read.
+                return weightless(cls, local) if issubclass(cls, transformers.ProcessorMixin) else original(
+                    cls, local, *args, **kwargs)
             config = transformers.AutoConfig.from_pretrained(local)
             target = cls if issubclass(cls, transformers.PreTrainedModel) else cls._model_mapping[type(config)]
             return target(config)

@@ -245,7 +245,7 @@ def _random_component(cls: type, folder: Path, seed: int) -> Any:
                 if "ControlNet" in cls.__name__:
                     _unzeroed(made)
                 return made
-            return _weightless(cls, folder)
+            return weightless(cls, folder)
     finally:
         _random_init_seconds += time.perf_counter() - start
 
@@ -262,7 +262,7 @@ def _unzeroed(model: Any) -> None:
                 parameter.normal_(0.0, parameter[0].numel() ** -0.5)
 
 
-def _weightless(cls: type, folder: Path) -> Any:
+def weightless(cls: type, folder: Path) -> Any:
     """A config set's tokenizer, scheduler or processor, from its files. A processor with a video
     part (Qwen2-VL's, Qwen-Image-Edit's) needs torchvision for it even when fed images only; where
     torchvision is not installed, the config set's processor is its image part (PIL backend) and its
