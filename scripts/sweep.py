@@ -204,13 +204,18 @@ def save_config_set(pipe: Any, folder: Path) -> None:
 
 def target_text(name: str, class_name: str, components: list[str], inputs: dict[str, Any], output: Any,
                 video: bool, edits: bool) -> str:
-    """A target at the size (and frames, text length) the test's call made."""
+    """A target at the size (and frames, text length, guidance, other plain arguments) the test's call made."""
+    import diffusers
+
+    from aotbuild.builder.targets import CAPTURE_SETS
+
+    parameters = inspect.signature(getattr(diffusers, class_name).__call__).parameters
     shape = output.shape  # (batch, height, width, channels), or (batch, frames, height, width, channels)
     lines = [f'name = "{name}"', f'pipeline = "{class_name}"', f'source = "random:{class_name}"', "seed = 0",
              'device = "cpu"', 'dtype = "float32"']
     scale = inputs.get("guidance_scale")
-    if isinstance(scale, (int, float)) and scale > 1:
-        lines.append(f"guidance_scale = {float(scale)}")
+    guided = isinstance(scale, (int, float)) and scale > 1  # built for the test's call: one denoiser batch
+    lines += [f"guidance_scale = {float(scale)}", 'guidance = "guided"'] if guided else ['guidance = "unguided"']
     lines += ["", "[components]", *(f"{component} = {{}}" for component in components)]
     lines += ["", "[[shapes]]", f"batch = {shape[0]}"]
     height, width = (shape[2], shape[3]) if video else (shape[1], shape[2])
@@ -223,6 +228,10 @@ def target_text(name: str, class_name: str, components: list[str], inputs: dict[
         lines.append(f"image = {list(picture_size(inputs['image']))}")
     if "max_sequence_length" in inputs:
         lines.append(f"max_sequence_length = {int(inputs['max_sequence_length'])}")
+    call = {key: value for key, value in inputs.items() if key in parameters and key not in CAPTURE_SETS
+            and key not in ("max_sequence_length", "num_frames") and isinstance(value, (bool, int, float, str))}
+    if call:  # the test's other plain arguments (PixArt's use_resolution_binning = false)
+        lines += ["", "[call]", *(f"{key} = {json.dumps(value)}" for key, value in call.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -137,3 +137,20 @@ def test_a_controlnet_called_at_another_scale_is_recorded_at_the_scale_it_is_com
         down, mid = pipe.controlnet(*call.args, **call.kwargs)
     assert all(torch.equal(got, want) for got, want in zip(call.output[0], down, strict=True))
     assert torch.equal(call.output[1], mid) and mid.abs().max() > 0
+
+
+def test_a_targets_call_arguments_reach_every_capture():
+    """PixArt bins a call's size to one its table holds (256 px sizes for this tiny model): a target
+    at 64 px passes `use_resolution_binning = false` (`call`), and its captures run at 64 px."""
+    import dataclasses
+
+    from aotbuild.builder.capturing import call_extras
+
+    target = load_target(TARGETS / "cpu-tiny-pixart-sigma.toml")
+    spec = pipeline_spec(target.pipeline)
+    pipe = eager_pipeline(target)
+    transformer = [spec.component("transformer")]
+    for call, latents in (({}, (32, 32)), ({"use_resolution_binning": False}, (8, 8))):
+        extras = call_extras(pipe, spec, dataclasses.replace(target, call=call), 1, 64, 64)
+        calls = capture_inputs(pipe, transformer, batch=1, height=64, width=64, guidance_scale=4.5, extras=extras)
+        assert calls["transformer"].args[0].shape[-2:] == latents

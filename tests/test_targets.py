@@ -493,3 +493,29 @@ def test_sd3s_inpainting_controlnet_encodes_once_per_image():
     (bucket,) = plans["vae_encoder"]
     assert sorted(points[p].batch for p in bucket.points) == [1, 2]
     assert not any(":control" in p for plan in plans.values() for variant in plan for p in variant.points)
+
+
+def test_a_targets_call_arguments_are_the_pipelines_and_none_the_build_sets(tmp_path):
+    """`call`: plain arguments every capture passes (PixArt's `use_resolution_binning = false`),
+    each checked against the pipeline's call; the size, guidance and pictures are the build's."""
+    pixart = (GOOD.replace("StableDiffusionXLPipeline", "PixArtSigmaPipeline").replace("unet = {}", "transformer = {}")
+              .replace("random:tiny-sdxl", "random:tiny-pixart-sigma"))
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny-pixart-sigma").symlink_to(TARGETS / "configs" / "tiny-pixart-sigma")
+    write_target(tmp_path, pixart + "[call]\nuse_resolution_binning = false\n")
+    assert load_target(tmp_path / "t.toml").call == {"use_resolution_binning": False}
+    for table, refusal in (
+        ("use_resolution_bining = false", r"key 'call.use_resolution_bining': PixArtSigmaPipeline's call takes no "
+                                          r"'use_resolution_bining'"),
+        ("height = 64", r"key 'call.height': the build sets it at each capture point"),
+        ("num_frames = 5", r"key 'call.num_frames': the build sets it"),
+        ("use_resolution_binning = [1]", r"key 'call.use_resolution_binning' must be a plain value"),
+    ):
+        write_target(tmp_path, pixart + f"[call]\n{table}\n")
+        with pytest.raises(TargetError, match=refusal) as refused:
+            load_target(tmp_path / "t.toml")
+    assert refused.value.hint is None
+    write_target(tmp_path, pixart + "[call]\nuse_resolution_bining = false\n")
+    with pytest.raises(TargetError) as refused:
+        load_target(tmp_path / "t.toml")
+    assert refused.value.hint == "did you mean 'use_resolution_binning'?"

@@ -130,8 +130,8 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
 def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, height: int, width: int,
                 images: Sequence[tuple[int, int]] | None = None) -> dict[str, Any] | None:
     """The arguments a capture's call takes besides the prompt and size (`PipelineSpec.call_extras`),
-    those its components' configs ask for (`ComponentSpec.capture_arguments`), and the image prompt
-    of a target built with an IP-Adapter."""
+    those its components' configs ask for (`ComponentSpec.capture_arguments`), the image prompt
+    of a target built with an IP-Adapter, and the target's own `call`."""
     extras = spec.call_extras(batch, height, width, images)
     for component in spec.components.values():
         config = getattr(getattr(pipe, component.attribute, None), "config", None)
@@ -139,6 +139,8 @@ def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, heigh
             extras = {**(extras or {}), **component.capture_arguments(config)}
     if target.ip_adapter:
         extras = {**(extras or {}), "ip_adapter_image": seeded_image(height, width)}
+    if target.call:
+        extras = {**(extras or {}), **target.call}
     return extras
 
 

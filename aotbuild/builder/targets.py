@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -23,13 +24,21 @@ from typing import Any
 
 from ..errors import SourceError, TargetError
 from ..spec.manifest import DTYPE_NAMES as DTYPES
-from ..spec.pipelines import EDITS_SEVERAL, TEXT, default_text_length, frame_stride, frames_around, pipeline_spec
+from ..spec.pipelines import (
+    EDITS_SEVERAL,
+    FRAMES,
+    TEXT,
+    default_text_length,
+    frame_stride,
+    frames_around,
+    pipeline_spec,
+)
 
 DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
-    "controlnet", "ip_adapter", "image_encoder", "validation_steps",
+    "controlnet", "ip_adapter", "image_encoder", "validation_steps", "call",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
 # code between blocks running eager).
@@ -40,6 +49,11 @@ LOOP_STEPS = 3
 # it (guidance_scale <= 1: turbo, LCM, lightning checkpoints), or both on one artifact.
 GUIDANCE_MODES = ("both", "guided", "unguided")
 COMPONENT_OPTIONS = ("tiling",)
+# A pipeline call's arguments the build sets itself at each capture point: a target's `call` may not.
+CAPTURE_SETS = ("prompt", "prompt_embeds", "negative_prompt_embeds", "height", "width", "num_images_per_prompt",
+                "num_videos_per_prompt", "guidance_scale", "num_inference_steps", "output_type", "generator",
+                "latents", "return_dict", "image", "mask_image", "control_image", "max_area", "strength",
+                "ip_adapter_image", "callback_on_step_end", "callback_on_step_end_tensor_inputs")
 REQUIRED_KEYS = ("name", "pipeline", "source", "device", "shapes", "components")
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -108,6 +122,10 @@ class Target:
     inductor: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # runtime default: replay each static bucket as a CUDA graph
     compile_mode: str = "whole"  # COMPILE_MODES
+    # Arguments every capture's call passes besides those the build sets (`CAPTURE_SETS`), plain
+    # values: a pipeline default the target's sizes cannot take (PixArt's resolution binning, whose
+    # table has no tiny model's sizes: `use_resolution_binning = false`).
+    call: dict[str, Any] = field(default_factory=dict)
     # Where a ControlNet pipeline's ControlNet comes from, when not from `source` (a Hub model repo
     # `org/name[@revision]` or a model folder): base checkpoints hold none.
     controlnet: str | None = None
@@ -388,6 +406,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
                               hint="add controlnet = {} to [components]")
 
     ip_adapter = _parse_ip_adapter(origin, raw.get("ip_adapter"), spec, optimize, compile_mode)
+    call = _parse_call(origin, raw.get("call", {}), spec)
     image_encoder = raw.get("image_encoder")
     if image_encoder is not None:
         _expect(origin, "image_encoder", image_encoder, str, "a string: a Hub model repo (org/name[@revision]) or a "
@@ -405,8 +424,29 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
         controlnet=controlnet, ip_adapter=ip_adapter, image_encoder=image_encoder,
-        validation_steps=validation_steps, base_dir=base_dir,
+        validation_steps=validation_steps, call=call, base_dir=base_dir,
     )
+
+
+def _parse_call(origin: str, table: Any, spec: Any) -> dict[str, Any]:
+    """A target's `call`: arguments of the pipeline's call, each a plain value, none the build sets."""
+    table = _expect(origin, "call", table, dict, "a table of the pipeline call's arguments")
+    if not table:  # most targets: read without diffusers
+        return {}
+    import diffusers
+
+    parameters = inspect.signature(getattr(diffusers, spec.class_name).__call__).parameters
+    for key, value in table.items():
+        if key in CAPTURE_SETS or key in (TEXT, FRAMES):
+            raise TargetError(f"{origin}: key 'call.{key}': the build sets it at each capture point",
+                              hint="sizes, frames and text lengths are [[shapes]]; guidance is guidance_scale")
+        if key not in parameters:
+            close = difflib.get_close_matches(key, list(parameters), n=1, cutoff=0.6)
+            raise TargetError(f"{origin}: key 'call.{key}': {spec.class_name}'s call takes no {key!r}",
+                              hint=f"did you mean {close[0]!r}?" if close else None)
+        _expect(origin, f"call.{key}", value, (bool, int, float, str), "a plain value (true/false, a number or a "
+                "string)")
+    return dict(table)
 
 
 # Passes that would drop or rewrite the IP-Adapter's layers: diffusers' fuse_qkv_projections sets
