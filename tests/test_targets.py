@@ -336,6 +336,8 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
     ("StableCascadeDecoderPipeline", r"denoises with a `decoder` and no `transformer` or `unet`: a pipeline of stages"),
     ("KandinskyV22PriorPipeline", r"denoises with a `prior` and no `transformer` or `unet`"),
     ("StableAudioPipeline", r"makes audio, not images or videos"),
+    ("IFPipeline", r"denoises pixels, with no `vae`: aotbuild sizes a pipeline it has no entry for by its VAE"),
+    ("KandinskyV22CombinedPipeline", r"decodes its latents with a VQ model \(`movq`\), with no `vae`"),
     ("WanVideoToVideoPipeline", r"makes a video from the video it is given, as many frames as that video has"),
     ("StableDiffusionXLPAGPipeline", r"guides with perturbed attention \(PAG\): its call swaps the denoiser's "
                                      r"attention for part of each batch"),

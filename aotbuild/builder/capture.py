@@ -286,7 +286,8 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
         try:
             result = pipe(**arguments, num_inference_steps=steps, output_type=output_type,
                           generator=torch.Generator("cpu").manual_seed(0))
-        except ValueError as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s)
+        except (ValueError, TypeError) as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in
+            # 32s; AnimateDiff's ControlNet pipeline: its conditioning frames, which a capture does not pass)
             size = {k: v for k, v in arguments.items() if k in ("height", "width", FRAMES)}
             raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
                              f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error

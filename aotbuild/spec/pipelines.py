@@ -711,6 +711,10 @@ def not_derivable(class_name: str) -> str | None:
         first = next(name for name in call if name != "self")
         return (f"takes no text prompt (its call starts from `{first}`): aotbuild captures pipelines prompted with "
                 f"text")
+    if "vae" not in init:  # Kandinsky's `movq`, DeepFloyd IF's pixels: no stride to size a bucket by
+        quantized = next((name for name in ("movq", "vqvae") if name in init), None)
+        how = f"decodes its latents with a VQ model (`{quantized}`)" if quantized else "denoises pixels"
+        return f"{how}, with no `vae`: aotbuild sizes a pipeline it has no entry for by its VAE"
     if "pag_scale" in call:
         return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each "
                 "batch, which aotbuild does not compile; build the pipeline without PAG")
