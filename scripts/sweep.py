@@ -228,8 +228,13 @@ def target_text(name: str, class_name: str, components: list[str], inputs: dict[
         lines.append(f"image = {list(picture_size(inputs['image']))}")
     if "max_sequence_length" in inputs:
         lines.append(f"max_sequence_length = {int(inputs['max_sequence_length'])}")
-    call = {key: value for key, value in inputs.items() if key in parameters and key not in CAPTURE_SETS
-            and key not in ("max_sequence_length", "num_frames") and isinstance(value, (bool, int, float, str))}
+    def plain(value: Any) -> bool:
+        return isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value))
+
+    call = {key: list(value) if isinstance(value, tuple) else value for key, value in inputs.items()
+            if key in parameters and key not in CAPTURE_SETS and key not in ("max_sequence_length", "num_frames")
+            and plain(value)}
     if call:  # the test's other plain arguments (PixArt's use_resolution_binning = false)
         lines += ["", "[call]", *(f"{key} = {json.dumps(value)}" for key, value in call.items())]
     return "\n".join(lines) + "\n"

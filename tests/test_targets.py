@@ -368,6 +368,7 @@ def test_a_derived_pipeline_is_captured_with_the_pictures_its_call_takes():
     assert pictures("FluxFillPipeline") == {"image": (48, 32), "mask_image": (48, 32), "strength": 1.0}
     assert pictures("FluxControlPipeline") == {"control_image": (48, 32)}
     assert pictures("StableDiffusionXLInstructPix2PixPipeline") == {"image": (48, 32)}
+    assert pictures("LTXImageToVideoPipeline") == {"image": (48, 32)}  # its signature defaults it to None
     assert pictures("PixArtSigmaPipeline") == {} and pictures("Flux2Pipeline") == {}
 
 
@@ -511,7 +512,8 @@ def test_a_targets_call_arguments_are_the_pipelines_and_none_the_build_sets(tmp_
                                           r"'use_resolution_bining'"),
         ("height = 64", r"key 'call.height': the build sets it at each capture point"),
         ("num_frames = 5", r"key 'call.num_frames': the build sets it"),
-        ("use_resolution_binning = [1]", r"key 'call.use_resolution_binning' must be a plain value"),
+        ("use_resolution_binning = { a = 1 }", r"key 'call.use_resolution_binning' must be a plain value \(true/false, "
+                                               r"a number, a string, or an array of them\), got \{'a': 1\}"),
     ):
         write_target(tmp_path, pixart + f"[call]\n{table}\n")
         with pytest.raises(TargetError, match=refusal) as refused:

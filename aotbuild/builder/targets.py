@@ -429,7 +429,8 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
 
 
 def _parse_call(origin: str, table: Any, spec: Any) -> dict[str, Any]:
-    """A target's `call`: arguments of the pipeline's call, each a plain value, none the build sets."""
+    """A target's `call`: arguments of the pipeline's call, each a plain value or an array of them
+    (FLUX.2 [klein]'s `text_encoder_out_layers`), none the build sets."""
     table = _expect(origin, "call", table, dict, "a table of the pipeline call's arguments")
     if not table:  # most targets: read without diffusers
         return {}
@@ -444,8 +445,10 @@ def _parse_call(origin: str, table: Any, spec: Any) -> dict[str, Any]:
             close = difflib.get_close_matches(key, list(parameters), n=1, cutoff=0.6)
             raise TargetError(f"{origin}: key 'call.{key}': {spec.class_name}'s call takes no {key!r}",
                               hint=f"did you mean {close[0]!r}?" if close else None)
-        _expect(origin, f"call.{key}", value, (bool, int, float, str), "a plain value (true/false, a number or a "
-                "string)")
+        plain = (bool, int, float, str)
+        if not isinstance(value, plain) and not (isinstance(value, list) and all(isinstance(v, plain) for v in value)):
+            raise TargetError(f"{origin}: key 'call.{key}' must be a plain value (true/false, a number, a string, or "
+                              f"an array of them), got {value!r}")
     return dict(table)
 
 

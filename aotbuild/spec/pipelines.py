@@ -815,7 +815,9 @@ def requires_image(cls: type) -> bool:
     if cls.__name__ in SIZED_BY_IMAGE:
         return True
     parameter = inspect.signature(cls.__call__).parameters.get("image")
-    return parameter is not None and parameter.default is inspect.Parameter.empty
+    # An image-to-video pipeline whose signature defaults its image to None (LTX-Video's) needs one too.
+    image_to_video = any(name in cls.__name__ for name in ("ImageToVideo", "I2V", "Image2Video"))
+    return parameter is not None and (parameter.default is inspect.Parameter.empty or image_to_video)
 
 
 def control_image_argument(cls: type) -> str | None:
