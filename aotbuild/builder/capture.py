@@ -262,16 +262,17 @@ def call_arguments(pipe: Any, *, batch: int, height: int, width: int, guidance_s
     """The pipeline call a capture makes at this shape (see `capture_inputs`), but its steps and
     output type."""
     count = per_prompt(type(pipe).__call__)
+    parameters = inspect.signature(type(pipe).__call__).parameters
     prompt: dict[str, Any] = {"prompt": capture_prompt(text), count: batch}
-    if count not in inspect.signature(type(pipe).__call__).parameters:  # one image per prompt
+    if count not in parameters:  # one image per prompt
         prompt = {"prompt": [capture_prompt(text)] * batch}
     if prompt_embeds is not None:
         prompt = {**prompt_embeds, count: 1}
     if text is not None:
         prompt[TEXT] = text
     size = exact_size(type(pipe), height, width, editing=image is not None, frames=frames)
-    return {**prompt, **size, **({"image": seeded_image(*image)} if image else {}), "guidance_scale": guidance_scale,
-            **(extras or {})}
+    guidance = {"guidance_scale": guidance_scale} if "guidance_scale" in parameters else {}  # FLUX.2 [klein] KV: none
+    return {**prompt, **size, **({"image": seeded_image(*image)} if image else {}), **guidance, **(extras or {})}
 
 
 def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: str) -> Any:
