@@ -29,6 +29,7 @@ import inspect
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -220,7 +221,8 @@ def target_text(name: str, class_name: str, components: list[str], inputs: dict[
     shape = output.shape  # (batch, height, width, channels), or (batch, frames, height, width, channels)
     lines = [f'name = "{name}"', f'pipeline = "{class_name}"', f'source = "random:{class_name}"', "seed = 0",
              'device = "cpu"', 'dtype = "float32"']
-    scale = inputs.get("guidance_scale")
+    default = parameters["guidance_scale"].default if "guidance_scale" in parameters else None
+    scale = inputs.get("guidance_scale", default)  # a test that passes none calls at the signature's default
     guided = isinstance(scale, (int, float)) and scale > 1  # built for the test's call: one denoiser batch
     lines += [f"guidance_scale = {float(scale)}", 'guidance = "guided"'] if guided else ['guidance = "unguided"']
     lines += ["", "[components]", *(f"{component} = {{}}" for component in components)]
@@ -331,10 +333,13 @@ def run(args: argparse.Namespace) -> None:
                    "--pipeline", class_name]
         log = args.out / "logs" / f"{class_name}.log"
         log.parent.mkdir(exist_ok=True)
-        with log.open("w") as stream:
+        with log.open("w") as stream:  # a session of its own: a timeout stops its compiler workers too
+            process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                code = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                code = process.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
                 code = "timeout"
         if code == "timeout":
             result.write_text(json.dumps({"pipeline": class_name, "result": "error",

@@ -333,16 +333,19 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
 @pytest.mark.parametrize(("pipeline", "refusal"), [
     ("OnnxStableDiffusionPipeline", r"runs its unet outside torch \(OnnxRuntimeModel\): there is nothing for aotbuild "
                                     r"to compile; build the torch pipeline"),
-    ("StableCascadeDecoderPipeline", r"denoises with a `decoder` and no `transformer` or `unet`: a pipeline of stages"),
+    ("StableCascadeDecoderPipeline", r"denoises with a `decoder` and no `transformer` or `unet`, which aotbuild does "
+                                     r"not compile"),
     ("KandinskyV22PriorPipeline", r"denoises with a `prior` and no `transformer` or `unet`"),
     ("StableAudioPipeline", r"makes audio, not images or videos"),
+    ("LTX2Pipeline", r"makes a video with its sound: aotbuild compiles image and silent video pipelines"),
     ("IFPipeline", r"denoises pixels, with no `vae`: aotbuild sizes a pipeline it has no entry for by its VAE"),
     ("KandinskyV22CombinedPipeline", r"decodes its latents with a VQ model \(`movq`\), with no `vae`"),
     ("WanVideoToVideoPipeline", r"makes a video from the video it is given, as many frames as that video has"),
+    ("LucyEditPipeline", r"makes a video from the video it is given"),  # it takes num_frames, and needs a video
     ("StableDiffusionXLPAGPipeline", r"guides with perturbed attention \(PAG\): its call swaps the denoiser's "
                                      r"attention for part of each batch"),
-    ("KandinskyV22Pipeline", r"takes no text prompt \(its call starts from `image_embeds`\)"),
-    ("DiTPipeline", r"takes no text prompt \(its call starts from `class_labels`\)"),
+    ("KandinskyV22Pipeline", r"takes no `prompt` \(its call starts from `image_embeds`\)"),
+    ("DiTPipeline", r"takes no `prompt` \(its call starts from `class_labels`\)"),
     ("StableDiffusionLatentUpscalePipeline", r"upscales the image it is given \(its output's pixels are a multiple "
                                              r"of the image's\)"),
 ])
@@ -506,7 +509,11 @@ def test_a_targets_call_arguments_are_the_pipelines_and_none_the_build_sets(tmp_
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tiny-pixart-sigma").symlink_to(TARGETS / "configs" / "tiny-pixart-sigma")
     write_target(tmp_path, pixart + "[call]\nuse_resolution_binning = false\n")
-    assert load_target(tmp_path / "t.toml").call == {"use_resolution_binning": False}
+    with_call = load_target(tmp_path / "t.toml")
+    assert with_call.call == {"use_resolution_binning": False} and with_call.to_dict()["call"] == with_call.call
+    assert Target.from_dict(with_call.to_dict(), tmp_path) == with_call
+    # A target without one is the data it was before `call` existed: its artifacts stay fresh.
+    assert "call" not in load_target(TARGETS / "cpu-tiny-sdxl.toml").to_dict()
     for table, refusal in (
         ("use_resolution_bining = false", r"key 'call.use_resolution_bining': PixArtSigmaPipeline's call takes no "
                                           r"'use_resolution_bining'"),

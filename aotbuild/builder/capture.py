@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -289,10 +290,18 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
                           generator=torch.Generator("cpu").manual_seed(0))
         except (ValueError, TypeError) as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in
             # 32s; AnimateDiff's ControlNet pipeline: its conditioning frames, which a capture does not pass)
+            if isinstance(error, TypeError) and not _raised_by(type(pipe), error):
+                raise  # not the pipeline's refusal: a defect, with its traceback
             size = {k: v for k, v in arguments.items() if k in ("height", "width", FRAMES)}
             raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
                              f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error
     return result.frames if hasattr(result, "frames") else result.images
+
+
+def _raised_by(pipeline_class: type, error: BaseException) -> bool:
+    """Whether the pipeline's own code raised `error`, or binding its call's arguments did."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return len(frames) == 1 or frames[-1].filename == inspect.getfile(pipeline_class)
 
 
 def run_pipeline_to(pipe: Any, arguments: dict[str, Any], steps: int, output_type: str) -> tuple[Any, str]:

@@ -53,7 +53,8 @@ COMPONENT_OPTIONS = ("tiling",)
 CAPTURE_SETS = ("prompt", "prompt_embeds", "negative_prompt_embeds", "height", "width", "num_images_per_prompt",
                 "num_videos_per_prompt", "guidance_scale", "num_inference_steps", "output_type", "generator",
                 "latents", "return_dict", "image", "mask_image", "control_image", "max_area", "strength",
-                "ip_adapter_image", "callback_on_step_end", "callback_on_step_end_tensor_inputs")
+                "ip_adapter_image", "control_mode", "control_mask", "callback_on_step_end",
+                "callback_on_step_end_tensor_inputs")
 REQUIRED_KEYS = ("name", "pipeline", "source", "device", "shapes", "components")
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -166,6 +167,8 @@ class Target:
                 del data[key]
         if self.validation_steps == LOOP_STEPS:  # likewise
             del data["validation_steps"]
+        if not self.call:  # likewise
+            del data["call"]
         return data
 
     @classmethod
@@ -432,23 +435,24 @@ def _parse_call(origin: str, table: Any, spec: Any) -> dict[str, Any]:
     """A target's `call`: arguments of the pipeline's call, each a plain value or an array of them
     (FLUX.2 [klein]'s `text_encoder_out_layers`), none the build sets."""
     table = _expect(origin, "call", table, dict, "a table of the pipeline call's arguments")
+    plain = (bool, int, float, str)
+    for key, value in table.items():  # what the file alone says, before diffusers is imported
+        if key in CAPTURE_SETS or key in (TEXT, FRAMES):
+            raise TargetError(f"{origin}: key 'call.{key}': the build sets it at each capture point",
+                              hint="sizes, frames and text lengths are [[shapes]]; guidance is guidance_scale")
+        if not isinstance(value, plain) and not (isinstance(value, list) and all(isinstance(v, plain) for v in value)):
+            raise TargetError(f"{origin}: key 'call.{key}' must be a plain value (true/false, a number, a string, or "
+                              f"an array of them), got {value!r}")
     if not table:  # most targets: read without diffusers
         return {}
     import diffusers
 
     parameters = inspect.signature(getattr(diffusers, spec.class_name).__call__).parameters
-    for key, value in table.items():
-        if key in CAPTURE_SETS or key in (TEXT, FRAMES):
-            raise TargetError(f"{origin}: key 'call.{key}': the build sets it at each capture point",
-                              hint="sizes, frames and text lengths are [[shapes]]; guidance is guidance_scale")
+    for key in table:
         if key not in parameters:
             close = difflib.get_close_matches(key, list(parameters), n=1, cutoff=0.6)
             raise TargetError(f"{origin}: key 'call.{key}': {spec.class_name}'s call takes no {key!r}",
                               hint=f"did you mean {close[0]!r}?" if close else None)
-        plain = (bool, int, float, str)
-        if not isinstance(value, plain) and not (isinstance(value, list) and all(isinstance(v, plain) for v in value)):
-            raise TargetError(f"{origin}: key 'call.{key}' must be a plain value (true/false, a number, a string, or "
-                              f"an array of them), got {value!r}")
     return dict(table)
 
 

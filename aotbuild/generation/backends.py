@@ -30,6 +30,7 @@ from ..spec.pipelines import (
     inpaints_control_image,
     per_prompt,
     requires_image,
+    starts_from_image,
     union_modes,
 )
 
@@ -366,7 +367,7 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
                             hint="build the target with ip_adapter = ... (its artifact loads that adapter)")
     if image_prompt is not None:
         call["ip_adapter_image"] = image_prompt
-    if image is None and requires_image(type(pipe)):
+    if image is None and (requires_image(type(pipe)) or starts_from_image(type(pipe))):
         made = "a video from it" if frames_step(pipe) > 1 else "an edit of it"
         raise AotbuildError(f"{type(pipe).__name__} needs an image: give one (--image), it makes {made}")
     if image is not None and height and width and edits_image(type(pipe)):

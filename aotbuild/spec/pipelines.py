@@ -691,7 +691,9 @@ def not_derivable(class_name: str) -> str | None:
     call = inspect.signature(cls.__call__).parameters
     types = _component_types(cls)
     if any("audio" in name for name in call):
-        return "makes audio, not images or videos: aotbuild compiles image and video pipelines"
+        with_video = "with its sound" if FRAMES in call else "audio, not images or videos"
+        return (f"makes {'a video ' + with_video if FRAMES in call else with_video}: aotbuild compiles image and "
+                f"silent video pipelines")
     held = next((name for name in ("transformer", "unet") if name in init), None)
     try:
         hint = typing.get_type_hints(cls.__init__).get(held)
@@ -704,13 +706,12 @@ def not_derivable(class_name: str) -> str | None:
         denoiser = next((name for name in ("prior", "decoder") if name in init), None)
         if denoiser is None:
             return None
-        return (f"denoises with a `{denoiser}` and no `transformer` or `unet`: a pipeline of stages (a prior's image "
-                f"embeddings, then a decoder), which aotbuild does not compile; it compiles pipelines that make "
-                f"images or videos from a prompt with one transformer or UNet")
+        return (f"denoises with a `{denoiser}` and no `transformer` or `unet`, which aotbuild does not compile; it "
+                f"compiles pipelines that make images or videos from a prompt with one transformer or UNet")
     if "prompt" not in call:
         first = next(name for name in call if name != "self")
-        return (f"takes no text prompt (its call starts from `{first}`): aotbuild captures pipelines prompted with "
-                f"text")
+        return (f"takes no `prompt` (its call starts from `{first}`): aotbuild captures pipelines prompted with "
+                f"text as `prompt`")
     if "vae" not in init:  # Kandinsky's `movq`, DeepFloyd IF's pixels: no stride to size a bucket by
         quantized = next((name for name in ("movq", "vqvae") if name in init), None)
         how = f"decodes its latents with a VQ model (`{quantized}`)" if quantized else "denoises pixels"
@@ -718,7 +719,9 @@ def not_derivable(class_name: str) -> str | None:
     if "pag_scale" in call:
         return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each "
                 "batch, which aotbuild does not compile; build the pipeline without PAG")
-    if FRAMES not in call and any(name == "video" or name.endswith("_video") for name in call):
+    video = call.get("video")
+    if (FRAMES not in call and any(name == "video" or name.endswith("_video") for name in call)
+            or video is not None and video.default is inspect.Parameter.empty):
         return ("makes a video from the video it is given, as many frames as that video has: aotbuild compiles video "
                 "pipelines whose call names its frames (`num_frames`)")
     if "Upscale" in class_name:  # its output is larger than the image it denoises: no size of a call's to compile
@@ -820,6 +823,13 @@ def requires_image(cls: type) -> bool:
     return parameter is not None and (parameter.default is inspect.Parameter.empty or image_to_video)
 
 
+def starts_from_image(cls: type) -> bool:
+    """Whether a pipeline's call starts from an image its signature defaults to None: img2img (it
+    takes a `strength`), inpainting (a `mask_image`), InstructPix2Pix (`image_guidance_scale`)."""
+    parameters = inspect.signature(cls.__call__).parameters
+    return "image" in parameters and bool(parameters.keys() & {"strength", "mask_image", "image_guidance_scale"})
+
+
 def control_image_argument(cls: type) -> str | None:
     """The argument through which a ControlNet pipeline's call takes its control image: `image` in
     SDXL's and SD 1.5's text-to-image ones, `control_image` in the others; None: a pipeline with no
@@ -852,8 +862,7 @@ def _picture_extras(cls: type) -> Callable[[int, int, int], dict[str, Any]] | No
     alone."""
     parameters = inspect.signature(cls.__call__).parameters
     names = []
-    if requires_image(cls) or "image" in parameters and parameters.keys() & {"strength", "mask_image",
-                                                                              "image_guidance_scale"}:
+    if requires_image(cls) or starts_from_image(cls):
         names.append("image")
     names += [name for name in ("mask_image", "control_image") if name in parameters]
     if not names:
