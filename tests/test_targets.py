@@ -341,7 +341,9 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
     ("IFPipeline", r"denoises pixels, with no `vae`: aotbuild sizes a pipeline it has no entry for by its VAE"),
     ("KandinskyV22CombinedPipeline", r"decodes its latents with a VQ model \(`movq`\), with no `vae`"),
     ("WanVideoToVideoPipeline", r"makes a video from the video it is given, as many frames as that video has"),
-    ("LucyEditPipeline", r"makes a video from the video it is given"),  # it takes num_frames, and needs a video
+    ("LucyEditPipeline", r"makes a video from the video it is given"),
+    ("SanaVideoPipeline", r"names its video's frame count `frames`: aotbuild captures a video pipeline's frames as "
+                          r"`num_frames`"),  # it takes num_frames, and needs a video
     ("StableDiffusionXLPAGPipeline", r"guides with perturbed attention \(PAG\): its call swaps the denoiser's "
                                      r"attention for part of each batch"),
     ("KandinskyV22Pipeline", r"takes no `prompt` \(its call starts from `image_embeds`\)"),

@@ -724,6 +724,10 @@ def not_derivable(class_name: str) -> str | None:
             or video is not None and video.default is inspect.Parameter.empty):
         return ("makes a video from the video it is given, as many frames as that video has: aotbuild compiles video "
                 "pipelines whose call names its frames (`num_frames`)")
+    named = next((name for name in ("frames", "video_length") if name in call and FRAMES not in call), None)
+    if named:  # Sana Video's `frames`, Latte's `video_length`
+        return (f"names its video's frame count `{named}`: aotbuild captures a video pipeline's frames as "
+                f"`{FRAMES}`, which its call does not take")
     if "Upscale" in class_name:  # its output is larger than the image it denoises: no size of a call's to compile
         return ("upscales the image it is given (its output's pixels are a multiple of the image's): aotbuild compiles "
                 "pipelines that make the size a call names, or the size of the image they start from")
