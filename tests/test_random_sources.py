@@ -77,3 +77,20 @@ def test_gpu_check_script_refuses_without_cuda(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh")], capture_output=True, text=True,
                             env={"PATH": f"{ROOT / '.venv/bin'}:/usr/bin:/bin", "OUT": str(tmp_path)})
     assert result.returncode != 0 and "no CUDA device" in result.stderr
+
+
+def test_a_model_index_lists_its_components_not_its_config_values(tmp_path):
+    """model_index.json holds components (`[library, class]`, `[null, null]` for none) beside the
+    pipeline's own config values, a list too (Krea 2's `text_encoder_select_layers`); a pipeline
+    module's own component names the module (`["stable_diffusion", "StableUnCLIPImageNormalizer"]`)."""
+    import diffusers
+    from diffusers.pipelines.stable_diffusion import StableUnCLIPImageNormalizer
+
+    from aotbuild.runtime.sources import component_classes
+
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableUnCLIPPipeline", "vae": ["diffusers", "AutoencoderKL"], "safety_checker": [None, None],
+        "image_normalizer": ["stable_diffusion", "StableUnCLIPImageNormalizer"], "text_encoder_select_layers": [0, 1, 2],
+    }))
+    assert component_classes(tmp_path) == {"vae": diffusers.AutoencoderKL,
+                                           "image_normalizer": StableUnCLIPImageNormalizer}

@@ -159,7 +159,7 @@ def hub_folder(repo_id: str, revision: str | None, skip: set[str], dtype: str | 
         endpoint = hub_endpoint()
         index = json.loads(Path(hf_hub_download(repo_id, "model_index.json", revision=revision,
                                                 endpoint=endpoint)).read_text())
-        components = [k for k, v in index.items() if isinstance(v, list) and v[0] is not None and k not in skip]
+        components = [k for k, v in index.items() if is_component(v) and k not in skip]
         patterns = ["model_index.json", "*/*.json", "*/*.txt", "*/*.model"]
         if not constants.HF_HUB_OFFLINE:
             files = hub_api().list_repo_files(repo_id, revision=revision)
@@ -199,11 +199,17 @@ def stored_dtype(folder: Path, component: str) -> str | None:
     return max(stored, key=stored.get) if stored else None
 
 
+def is_component(entry: Any) -> bool:
+    """Whether a model_index.json entry names a component (`["diffusers", "AutoencoderKL"]`), not
+    a value of the pipeline's config (Krea 2's `text_encoder_select_layers = [0, 1, 2]`) or none."""
+    return isinstance(entry, list) and len(entry) == 2 and all(isinstance(part, str) for part in entry)
+
+
 def component_classes(folder: Path) -> dict[str, type]:
     """The class of each component model_index.json names (importing its module)."""
     index = json.loads((folder / "model_index.json").read_text())
     return {name: _component_class(*entry) for name, entry in index.items()
-            if not name.startswith("_") and isinstance(entry, list) and entry[0] is not None}
+            if not name.startswith("_") and is_component(entry)}
 
 
 def _component_class(library: str, class_name: str) -> type:
