@@ -89,8 +89,9 @@ def test_a_model_index_lists_its_components_not_its_config_values(tmp_path):
     from aotbuild.runtime.sources import component_classes
 
     (tmp_path / "model_index.json").write_text(json.dumps({
-        "_class_name": "StableUnCLIPPipeline", "vae": ["diffusers", "AutoencoderKL"], "safety_checker": [None, None],
-        "image_normalizer": ["stable_diffusion", "StableUnCLIPImageNormalizer"], "text_encoder_select_layers": [0, 1, 2],
+        "_class_name": "StableUnCLIPPipeline", "vae": ["diffusers", "AutoencoderKL"],
+        "safety_checker": [None, None], "image_normalizer": ["stable_diffusion", "StableUnCLIPImageNormalizer"],
+        "text_encoder_select_layers": [0, 1, 2],
     }))
     assert component_classes(tmp_path) == {"vae": diffusers.AutoencoderKL,
                                            "image_normalizer": StableUnCLIPImageNormalizer}
