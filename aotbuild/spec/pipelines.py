@@ -690,7 +690,7 @@ def not_derivable(class_name: str) -> str | None:
     init = inspect.signature(cls.__init__).parameters
     call = inspect.signature(cls.__call__).parameters
     types = _component_types(cls)
-    if any("audio" in name for name in call):
+    if any("audio" in name for name in call) or "Audio" in class_name:  # Stable Audio 3 names none
         with_video = "with its sound" if FRAMES in call else "audio, not images or videos"
         return (f"makes {'a video ' + with_video if FRAMES in call else with_video}: aotbuild compiles image and "
                 f"silent video pipelines")
