@@ -244,6 +244,7 @@ def target_text(name: str, class_name: str, components: list[str], inputs: dict[
         lines.append(f"image = {list(picture_size(inputs['image']))}")
     if "max_sequence_length" in inputs:
         lines.append(f"max_sequence_length = {int(inputs['max_sequence_length'])}")
+
     def plain(value: Any) -> bool:
         return isinstance(value, (bool, int, float, str)) or (
             isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value))
