@@ -691,9 +691,8 @@ def not_derivable(class_name: str) -> str | None:
     call = inspect.signature(cls.__call__).parameters
     types = _component_types(cls)
     if any("audio" in name for name in call) or "Audio" in class_name:  # Stable Audio 3 names none
-        with_video = "with its sound" if FRAMES in call else "audio, not images or videos"
-        return (f"makes {'a video ' + with_video if FRAMES in call else with_video}: aotbuild compiles image and "
-                f"silent video pipelines")
+        made = "a video with its sound" if FRAMES in call else "audio, not images or videos"
+        return f"makes {made}: aotbuild compiles image and silent video pipelines"
     held = next((name for name in ("transformer", "unet") if name in init), None)
     try:
         hint = typing.get_type_hints(cls.__init__).get(held)
@@ -753,7 +752,7 @@ def derived_spec(class_name: str) -> PipelineSpec | None:
     attribute = next((a for a in ("transformer", "unet") if a in types), None)
     if attribute is None:
         return None
-    if "prompt" not in inspect.signature(cls.__call__).parameters or not_derivable(class_name):
+    if not_derivable(class_name):
         return None
     model = types[attribute]
     takes_return_dict = "return_dict" in inspect.signature(model.forward).parameters
