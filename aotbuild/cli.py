@@ -800,7 +800,7 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
             lines += _regions_text(c)
     lines.append("files")
     for name, f in m["files"].items():
-        if "/" not in name:
+        if "/" not in name or name.startswith("kernels/"):  # not the source's configs
             lines.append(f"  {name:<26} {_mib(f['bytes']):>10}  sha256 {f['sha256'][:16]}")
     total = sum(f["bytes"] for f in m["files"].values())
     lines.append(f"  {'total':<26} {_mib(total):>10}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..errors import AotbuildError, BuildError
 from ..spec import shapes
 from ..spec.private_apis import (
@@ -256,12 +257,16 @@ def shape_guards(program: torch.export.ExportedProgram) -> list[str]:
     return guards
 
 
-def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any]) -> tuple[list, dict[str, Any]]:
-    """AOTInductor compile of one exported program; returns the files to package and, when it
-    freezes (`optimize.prepack`), how each constant it folded is made from the weights (by the
-    name the model binds it under: `runtime.prepared`'s recipes, not yet checked against it)."""
+def compile_variant(program: torch.export.ExportedProgram, options: dict[str, Any], attention: bool = False,
+                    ) -> tuple[list, dict[str, Any], tuple[int, int]]:
+    """AOTInductor compile of one exported program; returns the files to package, when it
+    freezes (`optimize.prepack`) how each constant it folded is made from the weights (by the
+    name the model binds it under: `runtime.prepared`'s recipes, not yet checked against it),
+    and with `attention` (`optimize.sdpa = "aotbuild"`) how many of its attentions call
+    aotbuild's kernel, of how many (`kernels.replace_attention`)."""
     args, kwargs = program.example_inputs
     graph = program.module(check_guards=False)
+    attentions = kernels.replace_attention(graph) if attention else (0, 0)
     # Tensors the forward makes from Python data (Chroma's torch.tensor([0] * batch)) are lifted
     # constants, plain attributes of the unlifted module, which AOTInductor would rename
     # (_tensor_constant0): as buffers they keep the names the weights file stores them under.
@@ -286,7 +291,7 @@ def compile_variant(program: torch.export.ExportedProgram, options: dict[str, An
             files = aot_compile(graph, args, kwargs, dict(options))
         except Exception as exc:
             raise BuildError(f"AOTInductor compile failed: {exc}") from exc
-    return files, {name: _inlined(step, folds) for name, step in folds.items() if step is not None}
+    return files, {name: _inlined(step, folds) for name, step in folds.items() if step is not None}, attentions
 
 
 def pack_dynamic_convolutions(gm: torch.fx.GraphModule) -> None:

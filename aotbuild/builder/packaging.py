@@ -5,12 +5,14 @@ its weights, the component's manifest entry."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import kernels
 from ..errors import BuildError
 from ..runtime import leaf_signature, open_model
 from ..runtime.checkpoint import module_tensors
@@ -286,11 +288,22 @@ def _empty_like(tensor: torch.Tensor, size: list[int]) -> torch.Tensor:
 def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProgram],
                 what: str) -> tuple[dict[str, list], dict[str, dict[str, Any]], float]:
     """Each program compiled: its files, the recipes of the constants it folded (prepack), and
-    the seconds the compiles took."""
+    the seconds the compiles took. With `optimize.sdpa = "aotbuild"` the attention kernel's
+    library goes into the artifact once a program calls it."""
     compiled, folded, start = {}, {}, time.perf_counter()
+    kernel = ctx.target.optimize.get("sdpa") == "aotbuild"
     for i, (name, program) in enumerate(programs.items(), 1):
         with ctx.stages("compile", f"{what} {name} ({i}/{len(programs)}, AOTInductor)"):
-            compiled[name], folded[name] = export.compile_variant(program, ctx.inductor_options)
+            compiled[name], folded[name], (replaced, attentions) = export.compile_variant(
+                program, ctx.inductor_options, attention=kernel)
+        if kernel and attentions:
+            ctx.stages.progress("compile", f"{what} {name}: {replaced} of {attentions} attentions call aotbuild's "
+                                f"kernel" + ("" if replaced == attentions else ", the rest ATen's (a mask, causal, not "
+                                             f"bf16, or a head size odd or over {kernels.MAX_HEAD_SIZE})"))
+        if replaced:
+            library = ctx.out / kernels.LIBRARY_FILE
+            library.parent.mkdir(exist_ok=True)
+            shutil.copyfile(kernels.compiled_library(), library)
     return compiled, folded, time.perf_counter() - start
 
 

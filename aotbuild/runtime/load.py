@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..errors import (
     AotbuildError,
     IncompatibleArtifactError,
@@ -109,7 +110,7 @@ TORCH_NAMESPACES = {"aten", "prims", "quantized", "quantized_decomposed", "_c10d
 def _import_custom_ops(namespaces: list[str]) -> None:
     """Register the operators compiled code calls back into (only for artifacts that need them)."""
     for namespace in namespaces:
-        if namespace in TORCH_NAMESPACES:
+        if namespace in TORCH_NAMESPACES or namespace == "aotbuild":  # aotbuild's kernels: in the artifact
             continue
         try:
             importlib.import_module(namespace)
@@ -195,6 +196,9 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
         warnings.warn(f"aotbuild: {spec.class_name} was {manifest['pipeline']['note']}", UncuratedPipelineWarning,
                       stacklevel=3)
     with open_artifact_files(folder, manifest, verify=verify) as files:
+        library = manifest["optimizations"]["passes"].get("sdpa", {}).get("library")
+        if library in manifest["files"]:  # optimize.sdpa = "aotbuild": the kernel its compiled code calls
+            kernels.load_library(files.path(library))
         for name, entry in manifest["components"].items():
             source = (weights or {}).get(name)
             eager_module = (eager or {}).get(name)
