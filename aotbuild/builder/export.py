@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from .. import kernels
 from ..errors import AotbuildError, BuildError
 from ..spec import shapes
 from ..spec.private_apis import (
@@ -35,6 +34,7 @@ from ..spec.private_apis import (
     shape_env,
     size_hints,
 )
+from .attention import replace_attention
 
 # Options every compile gets, on top of the target's [inductor] table:
 # - the package holds code only; weights go to safetensors and are bound at load;
@@ -263,10 +263,10 @@ def compile_variant(program: torch.export.ExportedProgram, options: dict[str, An
     freezes (`optimize.prepack`) how each constant it folded is made from the weights (by the
     name the model binds it under: `runtime.prepared`'s recipes, not yet checked against it),
     and with `attention` (`optimize.sdpa = "aotbuild"`) how many of its attentions call
-    aotbuild's kernel, of how many (`kernels.replace_attention`)."""
+    aotbuild's kernel, of how many (`attention.replace_attention`)."""
     args, kwargs = program.example_inputs
     graph = program.module(check_guards=False)
-    attentions = kernels.replace_attention(graph) if attention else (0, 0)
+    attentions = replace_attention(graph) if attention else (0, 0)
     # Tensors the forward makes from Python data (Chroma's torch.tensor([0] * batch)) are lifted
     # constants, plain attributes of the unlifted module, which AOTInductor would rename
     # (_tensor_constant0): as buffers they keep the names the weights file stores them under.

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from .. import kernels
 from ..errors import TargetError
+from ..runtime.attention import LIBRARY_FILE, load_library, missing_cpu_flags
 from ..spec.manifest import DTYPES
 from ..spec.private_apis import pytree, unwrap_tensor_subclasses
 from ..spec.recipes import QUANT_RECIPES, capability
+from .attention import compiled_library
 from .export import FREEZING_OPTION
 
 Modules = dict[str, torch.nn.Module]  # component name -> the pipeline module it compiles
@@ -122,7 +123,7 @@ def _sdpa_context(value: str) -> ContextManager:
 
 
 def _check_sdpa(modules: Modules, value: str) -> None:
-    if value == "aotbuild" and (missing := kernels.missing_cpu_flags()):
+    if value == "aotbuild" and (missing := missing_cpu_flags()):
         raise TargetError(f"optimize.sdpa = \"aotbuild\" runs on x86 CPUs with AVX512-BF16, and this machine's CPU "
                           f"lacks {', '.join(missing)}", hint="build on such a CPU (an AMX Xeon, an AVX-512 EPYC "
                                                               "from Zen 4 on), or use sdpa = \"auto\"")
@@ -133,13 +134,13 @@ def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     """Which scaled-dot-product-attention kernel the exported graph calls. "auto" lets torch pick
     (flash or memory-efficient on CUDA); pinning one makes the artifact's kernel explicit.
     "aotbuild" (CPU, bf16): aotbuild's flash attention for AVX512-BF16 CPUs
-    (`aotbuild.kernels`), 1.7-2.3x ATen's speed at 1,000-4,000 tokens; the artifact holds the
+    (`builder/attention.py`), 1.7-2.3x ATen's speed at 1,000-4,000 tokens; the artifact holds the
     library, and every attention it cannot take exactly (a mask, causal, a head size odd or over
     256) stays ATen's."""
     if value != "aotbuild":
         return {"backend": value}
-    kernels.load_library(kernels.compiled_library())  # before export: the compile traces the op
-    return {"backend": value, "library": kernels.LIBRARY_FILE}
+    load_library(compiled_library())  # before export: the compile traces the op
+    return {"backend": value, "library": LIBRARY_FILE}
 
 
 # The models whose fuse_qkv_projections puts diffusers' FusedJointAttnProcessor2_0 on every attention.

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .. import kernels
 from ..errors import BuildError
 from ..runtime import leaf_signature, open_model
+from ..runtime.attention import LIBRARY_FILE
 from ..runtime.checkpoint import module_tensors
 from ..runtime.ip_adapter import loaded_form
 from ..runtime.prepared import sources as prepared_sources
@@ -24,7 +24,7 @@ from ..spec import shapes
 from ..spec.manifest import sha256_file
 from ..spec.pipelines import KEPT_MODULES, TEXT, ComponentSpec, plain_attribute
 from ..spec.private_apis import fake_tensor_mode, pytree
-from . import capture, export, optimize, regions
+from . import attention, capture, export, optimize, regions
 from .context import BuildContext
 from .plan import CapturePoint, VariantPlan
 
@@ -299,11 +299,11 @@ def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProg
         if kernel and attentions:
             ctx.stages.progress("compile", f"{what} {name}: {replaced} of {attentions} attentions call aotbuild's "
                                 f"kernel" + ("" if replaced == attentions else ", the rest ATen's (a mask, causal, not "
-                                             f"bf16, or a head size odd or over {kernels.MAX_HEAD_SIZE})"))
+                                             f"bf16, or a head size odd or over {attention.MAX_HEAD_SIZE})"))
         if replaced:
-            library = ctx.out / kernels.LIBRARY_FILE
+            library = ctx.out / LIBRARY_FILE
             library.parent.mkdir(exist_ok=True)
-            shutil.copyfile(kernels.compiled_library(), library)
+            shutil.copyfile(attention.compiled_library(), library)
     return compiled, folded, time.perf_counter() - start
 
 

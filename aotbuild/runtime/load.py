@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from .. import kernels
 from ..errors import (
     AotbuildError,
     IncompatibleArtifactError,
@@ -36,6 +35,7 @@ from ..spec.manifest import (
 from ..spec.pipelines import MULTI_CONTROLNETS, ComponentSpec, PipelineSpec, pipeline_spec, runtime_config_keys
 from ..spec.private_apis import accept_compiled_class
 from .artifacts import artifact_folder
+from .attention import load_library
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
 from .cache import open_artifact_files
 from .checkpoint import checkpoint_config, checkpoint_constants, module_tensors
@@ -198,7 +198,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     with open_artifact_files(folder, manifest, verify=verify) as files:
         library = manifest["optimizations"]["passes"].get("sdpa", {}).get("library")
         if library in manifest["files"]:  # optimize.sdpa = "aotbuild": the kernel its compiled code calls
-            kernels.load_library(files.path(library))
+            load_library(files.path(library))
         for name, entry in manifest["components"].items():
             source = (weights or {}).get(name)
             eager_module = (eager or {}).get(name)

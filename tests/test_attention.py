@@ -18,15 +18,16 @@ import torch
 import torch.nn.functional as F
 
 import aotbuild
-from aotbuild import kernels
+from aotbuild.builder.attention import compiled_library, replace_attention
 from aotbuild.builder.targets import ShapeBucket, load_target
 from aotbuild.errors import CorruptArtifactError, TargetError
 from aotbuild.generation.backends import prepare as prepare_backend
+from aotbuild.runtime.attention import LIBRARY_FILE, load_library, missing_cpu_flags
 
 from .conftest import ROOT, TARGETS, build_once, generate
 from .test_targets import write_target
 
-MISSING = kernels.missing_cpu_flags()
+MISSING = missing_cpu_flags()
 needs_flags = pytest.mark.skipif(bool(MISSING), reason=f"this CPU lacks {', '.join(MISSING)}: the kernel needs "
                                                         "AVX512-BF16")
 BUCKET = ShapeBucket(1, 64, 64)
@@ -35,7 +36,7 @@ BF16_ATOL = 0.05  # bfloat16 against the same recipe run eager (test_prepack's):
 
 @pytest.fixture(scope="module")
 def kernel():
-    kernels.load_library(kernels.compiled_library())
+    load_library(compiled_library())
     return torch.ops.aotbuild.attention.default
 
 
@@ -98,7 +99,7 @@ def test_only_the_attentions_the_kernel_computes_exactly_call_it(kernel):
     inputs = (q, k, v, torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 7).to(torch.bfloat16))
     graph = torch.export.export(_Attentions(), inputs).module(check_guards=False)
     expected = graph(*inputs)
-    assert kernels.replace_attention(graph) == (1, 5)
+    assert replace_attention(graph) == (1, 5)
     calls = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert calls.count(torch.ops.aotbuild.attention.default) == 1
     assert calls.count(torch.ops.aten.scaled_dot_product_attention.default) == 4
@@ -147,9 +148,9 @@ def test_a_build_calls_the_kernel_and_its_artifact_carries_it(tmp_path_factory, 
                                                                                    "sdpa": "aotbuild"})
     built = build_once(tmp_path_factory, target)
     manifest = json.loads((built.folder / "manifest.json").read_text())
-    assert kernels.LIBRARY_FILE in manifest["files"]
+    assert LIBRARY_FILE in manifest["files"]
     assert manifest["components"]["unet"]["custom_ops"] == ["aotbuild"]
-    assert manifest["optimizations"]["passes"]["sdpa"] == {"backend": "aotbuild", "library": kernels.LIBRARY_FILE}
+    assert manifest["optimizations"]["passes"]["sdpa"] == {"backend": "aotbuild", "library": LIBRARY_FILE}
     said = [message for stage, message in built.progress if "aotbuild's kernel" in message]
     assert said and all(re.fullmatch(r"unet \S+: (\d+) of \1 attentions call aotbuild's kernel", m) for m in said)
 
@@ -161,7 +162,7 @@ def test_a_build_calls_the_kernel_and_its_artifact_carries_it(tmp_path_factory, 
 
     copy = tmp_path / "copy"
     shutil.copytree(built.folder, copy)
-    library = copy / kernels.LIBRARY_FILE
+    library = copy / LIBRARY_FILE
     library.chmod(0o644)
     data = bytearray(library.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -1,13 +1,13 @@
-"""aotbuild's own kernels: native code that compiled code calls where torch's is slow.
+"""aotbuild's attention kernel at build (`optimize.sdpa = "aotbuild"`): `aotbuild::attention`,
+flash attention in bf16 for x86 CPUs with AVX512-BF16 (`attention_cpu.cpp`). ATen's CPU flash
+attention, which compiled code otherwise calls, runs at a third of the GEMM's speed at 1,000-4,000
+tokens (125-145 GFLOP/s in bf16 on an AVX512-BF16 EPYC, against ~400 for a large GEMM); this one
+runs the same shapes 1.5-2.3x faster, with the same error.
 
-`aotbuild::attention` (`optimize.sdpa = "aotbuild"`): flash attention in bf16 for x86 CPUs with
-AVX512-BF16. ATen's CPU flash attention, which compiled code otherwise calls, runs at a third of
-the GEMM's speed at 1,000-4,000 tokens (125 GFLOP/s in bf16 on an AVX512-BF16 EPYC, against
-~400 for a large GEMM); this one runs the same shapes 1.7-2.3x faster with the same error.
-
-The build compiles the source once per torch build into this user's cache, calls it from the
-exported graph in place of each attention it takes (`replace_attention`), and puts the library
-in the artifact (`LIBRARY_FILE`); a load of that artifact loads it from there (`load_library`).
+The build compiles the source once per torch build into this user's cache (`compiled_library`),
+calls it from the exported graph in place of each attention it computes exactly
+(`replace_attention`), and puts the library in the artifact (`runtime.attention.LIBRARY_FILE`),
+which a load registers from there (`runtime/attention.py`).
 """
 
 from __future__ import annotations
@@ -24,18 +24,8 @@ import torch
 from ..errors import BuildError
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-LIBRARY_FILE = "kernels/attention_cpu.so"  # in an artifact
-# What the source is compiled for, and the CPU flags (as /proc/cpuinfo names them) it needs.
-MACHINE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+MACHINE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")  # runtime.attention.CPU_FLAGS
 MAX_HEAD_SIZE = 512  # a VAE's one head of 512 channels
-
-
-def missing_cpu_flags() -> list[str]:
-    """The CPU flags the attention kernel needs that this machine lacks."""
-    from ..spec.manifest import cpu_isa_flags
-
-    return [flag for flag in CPU_FLAGS if flag not in cpu_isa_flags()]
 
 
 def _compile_command(output: Path) -> list[str]:
@@ -75,29 +65,10 @@ def compiled_library() -> Path:
     return library
 
 
-def registered() -> bool:
-    """Whether `aotbuild::attention` is registered in this process."""
-    return hasattr(torch.ops.aotbuild, "attention")
-
-
-def load_library(path: Path) -> None:
-    """Register `aotbuild::attention` from the library at `path`, once per process (a second
-    library registering the namespace would be refused by torch), with its shape function for
-    export and compile."""
-    if registered():
-        return
-    torch.ops.load_library(os.fspath(path))
-
-    @torch.library.register_fake("aotbuild::attention")
-    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, heads, tokens, head_size = query.shape
-        return query.new_empty((batch, tokens, heads, head_size))
-
-
 def _takes(node: torch.fx.Node) -> bool:
     """Whether `aotbuild::attention` computes this `aten.scaled_dot_product_attention` exactly:
     bf16 query, key and value of [batch, heads, tokens, head size], one head count, an even head
-    size of at most 256, no mask, no dropout, not causal."""
+    size of at most 512, no mask, no dropout, not causal."""
     args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args, strict=False)) \
         | node.kwargs
     values = [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
