@@ -1,8 +1,8 @@
 """aotbuild's attention kernel at build (`optimize.sdpa = "aotbuild"`): `aotbuild::attention`,
-flash attention in bf16 for x86 CPUs with AVX512-BF16 (`attention_cpu.cpp`). ATen's CPU flash
-attention, which compiled code otherwise calls, runs at a third of the GEMM's speed at 1,000-4,000
-tokens (125-145 GFLOP/s in bf16 on an AVX512-BF16 EPYC, against ~400 for a large GEMM); this one
-runs the same shapes 1.5-2.3x faster, with the same error.
+flash attention for x86 CPUs with AVX512-BF16 (`attention_cpu.cpp`), in bf16 and float32. ATen's
+CPU flash attention, which compiled code otherwise calls, runs at a third of the GEMM's speed at
+1,000-4,000 tokens (125-145 GFLOP/s in bf16 on an AVX512-BF16 EPYC, against ~400 for a large
+GEMM); this one runs the same shapes 1.5-2.3x faster in bf16, with the same error.
 
 The build compiles the source once per torch build into this user's cache (`compiled_library`),
 calls it from the exported graph in place of each attention it computes exactly
@@ -67,18 +67,20 @@ def compiled_library() -> Path:
 
 def _takes(node: torch.fx.Node) -> bool:
     """Whether `aotbuild::attention` computes this `aten.scaled_dot_product_attention` exactly:
-    bf16 query, key and value of [batch, heads, tokens, head size], one head count, an even head
-    size of at most 512, no mask, no dropout, not causal."""
+    query, key and value of one dtype, bf16 or float32, of [batch, heads, tokens, head size], one
+    head count, a head size of at most 512 (even in bf16), no mask, no dropout, not causal."""
     args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args, strict=False)) \
         | node.kwargs
     values = [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
               for arg in (args.get("query"), args.get("key"), args.get("value"))]
-    if not all(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 and v.ndim == 4 for v in values):
+    if not all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype and v.ndim == 4 for v in values) or \
+            values[0].dtype not in (torch.bfloat16, torch.float32):
         return False
     query, key, value = values
     head_size = query.shape[-1]
     return (args.get("attn_mask") is None and not args.get("dropout_p") and not args.get("is_causal")
-            and not args.get("enable_gqa") and isinstance(head_size, int) and head_size % 2 == 0
+            and not args.get("enable_gqa") and isinstance(head_size, int)
+            and (head_size % 2 == 0 or query.dtype == torch.float32)
             and head_size <= MAX_HEAD_SIZE and key.shape[-1] == head_size and value.shape[-1] == head_size
             and query.shape[1] == key.shape[1] == value.shape[1])
 

@@ -133,10 +133,10 @@ def _check_sdpa(modules: Modules, value: str) -> None:
 def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     """Which scaled-dot-product-attention kernel the exported graph calls. "auto" lets torch pick
     (flash or memory-efficient on CUDA); pinning one makes the artifact's kernel explicit.
-    "aotbuild" (CPU, bf16): aotbuild's flash attention for AVX512-BF16 CPUs
-    (`builder/attention.py`), 1.7-2.3x ATen's speed at 1,000-4,000 tokens; the artifact holds the
-    library, and every attention it cannot take exactly (a mask, causal, a head size odd or over
-    256) stays ATen's."""
+    "aotbuild" (CPU, bf16 or float32): aotbuild's flash attention for AVX512-BF16 CPUs
+    (`builder/attention.py`), in bf16 1.5-2.3x ATen's speed at 1,000-16,000 tokens; the artifact
+    holds the library, and every attention it cannot take exactly (a mask, causal, float16, a head
+    size over 512 or odd in bf16) stays ATen's."""
     if value != "aotbuild":
         return {"backend": value}
     load_library(compiled_library())  # before export: the compile traces the op

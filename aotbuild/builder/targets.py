@@ -390,11 +390,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
 
     optimize = _expect(origin, "optimize", raw.get("optimize", {}), dict, "a table")
     validate_optimize(optimize, origin=origin, device=device, gpu=gpu)
-    if optimize.get("sdpa") == "aotbuild" and (dtype != "bfloat16" or cpu_baseline):
-        raise TargetError(f"{origin}: optimize.sdpa = \"aotbuild\" is aotbuild's bf16 attention for CPUs with "
-                          f"AVX512-BF16, and this target " + (f"is {dtype}" if dtype != "bfloat16" else
-                                                              f"runs on any {cpu_baseline} CPU"),
-                          hint="use it with dtype = \"bfloat16\" and no [cpu] baseline, or sdpa = \"auto\"")
+    if optimize.get("sdpa") == "aotbuild" and (dtype == "float16" or cpu_baseline):
+        raise TargetError(f"{origin}: optimize.sdpa = \"aotbuild\" is aotbuild's bf16 and float32 attention for "
+                          f"CPUs with AVX512-BF16, and this target " + (f"is {dtype}" if not cpu_baseline else
+                                                                        f"runs on any {cpu_baseline} CPU"),
+                          hint="use it with dtype = \"bfloat16\" or \"float32\" and no [cpu] baseline, or "
+                               "sdpa = \"auto\"")
     inductor = _parse_inductor(origin, raw.get("inductor", {}), device)
 
     cuda_graphs = _expect(origin, "cuda_graphs", raw.get("cuda_graphs", False), bool, "true or false")
