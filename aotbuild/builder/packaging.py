@@ -29,27 +29,18 @@ from .context import BuildContext
 from .plan import CapturePoint, VariantPlan
 
 
-def _tensor_shapes(call: capture.CapturedCall) -> list[list[int]]:
-    return [list(leaf.shape) for leaf in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)]
-
-
-def _call_batch(call: capture.CapturedCall) -> int:
-    """The batch of a call: the first dim of its first tensor (latents, images)."""
-    return _tensor_shapes(call)[0][0]
-
-
 def variant_dims(component: str, plan: VariantPlan, reference: dict,
                   points: dict[str, CapturePoint]) -> tuple[list | None, list[int] | None]:
     """(how each input dim follows the call's batch, height, width and text length; the call batches served),
     or (None, None) for a static model. Batch dims are in units of the call's batch."""
     calls = [reference[p][component] for p in plan.points]
-    batches = [_call_batch(c) for c in calls]
+    batches = [capture.call_batch(c) for c in calls]
     call_batch = [min(batches), max(batches)]
     if plan.kind == "bucket":
         if call_batch[0] == call_batch[1]:
             return None, None
         high, low = calls[0], calls[batches.index(call_batch[0])]
-        probes = {"base": _tensor_shapes(high), "batch": _tensor_shapes(low)}
+        probes = {"base": capture.tensor_shapes(high), "batch": capture.tensor_shapes(low)}
         probes |= {"height": probes["base"], "width": probes["base"]}
         sizes = {"base": (batches[0], 0, 0), "batch": (call_batch[0], 0, 0), "height": (batches[0], 0, 0),
                  "width": (batches[0], 0, 0)}
@@ -57,7 +48,7 @@ def variant_dims(component: str, plan: VariantPlan, reference: dict,
     prefix = plan.points[0].rsplit(":", 1)[0]
 
     def at(probe: str) -> list[list[int]]:
-        return _tensor_shapes(reference[f"{prefix}:{probe}"][component])
+        return capture.tensor_shapes(reference[f"{prefix}:{probe}"][component])
 
     probes = {probe: at(probe) for probe in ("base", *shapes.axes_of(plan.ranges))}
     corners = {probe: at(probe) for probe in ("min", "max")}
@@ -114,8 +105,8 @@ def batches_guidance(reference: dict[str, dict[str, capture.CapturedCall]], spec
     for point, calls in reference.items():
         if point.endswith(":unguided"):
             twin = reference[point.removesuffix(":unguided")]
-            if any(s.denoiser and s.name in calls and _call_batch(calls[s.name]) == _call_batch(twin[s.name])
-                   for s in specs):
+            if any(s.denoiser and s.name in calls
+                   and capture.call_batch(calls[s.name]) == capture.call_batch(twin[s.name]) for s in specs):
                 return False
     return True
 
@@ -203,7 +194,7 @@ def _record_relations(entry: dict[str, Any], program: torch.export.ExportedProgr
                          hint="cover those sizes with [[shapes]] buckets instead of [dynamic]")
     if guards:
         entry["guards"] = guards
-    if not shapes.relations_hold(dims, _tensor_shapes(call), guards):
+    if not shapes.relations_hold(dims, capture.tensor_shapes(call), guards):
         found = ", ".join(d["expr"] for leaf in dims for d in leaf if isinstance(d, dict))
         raise BuildError(f"{component} {entry['name']}: the exported program relates its inputs' sizes in a way "
                          f"aotbuild cannot check at call time ({found})",
@@ -221,8 +212,8 @@ def _check_served(program: torch.export.ExportedProgram, entry: dict[str, Any], 
     examples = [t for t in pytree.tree_leaves((example.args, example.kwargs)) if isinstance(t, torch.Tensor)]
     dims = [leaf.get("dims", leaf.get("shape")) for leaf in entry["inputs"] if "value" not in leaf]
     for point, call in calls.items():
-        sizes = _tensor_shapes(call)
-        if sizes == _tensor_shapes(example):
+        sizes = capture.tensor_shapes(call)
+        if sizes == capture.tensor_shapes(example):
             continue
         bound = shapes.solve(dims, sizes)
         if bound is None:
@@ -297,9 +288,10 @@ def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProg
             compiled[name], folded[name], (replaced, attentions) = export.compile_variant(
                 program, ctx.inductor_options, attention=kernel)
         if kernel and attentions:
+            rest = "" if replaced == attentions else (f", the rest ATen's (a mask, causal, float16, or a head size "
+                                                      f"over {attention.MAX_HEAD_SIZE} or odd in bf16)")
             ctx.stages.progress("compile", f"{what} {name}: {replaced} of {attentions} attentions call aotbuild's "
-                                f"kernel" + ("" if replaced == attentions else ", the rest ATen's (a mask, causal, not "
-                                             f"bf16, or a head size odd or over {attention.MAX_HEAD_SIZE})"))
+                                           f"kernel{rest}")
         if replaced:
             library = ctx.out / LIBRARY_FILE
             library.parent.mkdir(exist_ok=True)
