@@ -310,7 +310,7 @@ def run(target_name: str | None, artifact: str | None, prompt: str, negative_pro
                    width=width or defaults["width"], batch=batch or (1 if images else defaults["batch"]),
                    guidance_scale=guidance_scale, negative_prompt=negative_prompt,
                    image=_read_images(images), strength=strength,
-                   frames=frames or defaults["frames"], text=defaults["text"],
+                   frames=frames or defaults["frames"], text=defaults["text"], built_with=defaults["call"],
                    mask=_read_picture(mask, "--mask", "L") if mask is not None else None,
                    control=_read_picture(control_image, "--control-image", "RGB") if control_image else None,
                    control_mode=control_mode,

@@ -66,6 +66,32 @@ def test_run_writes_images_and_prints_timings(built, tmp_path, backend):
         assert image.size == (96, 64)
 
 
+def test_run_passes_the_arguments_the_target_builds_with(tmp_path):
+    """A target's `call` (here SDXL's guidance_rescale) reaches every call `aotbuild run` makes, as
+    it reached the build's captures: the image is the pipeline's with it, not without it."""
+    import numpy as np
+
+    from aotbuild.builder.targets import load_target
+    from aotbuild.generation.backends import generate
+
+    path = write_target(tmp_path, GOOD + "[call]\nguidance_rescale = 1.0\n")
+    out = tmp_path / "fox.png"
+    result = invoke("run", "--target", str(path), "--artifacts", str(tmp_path), "--backend", "eager",
+                    "--prompt", "a red fox", "--steps", "2", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    target = load_target(path)
+    pipe = eager_pipeline(target)
+    pipe.set_progress_bar_config(disable=True)
+
+    def made(**built_with) -> np.ndarray:
+        return np.asarray(generate(pipe, "a red fox", steps=2, seed=0, height=64, width=64,
+                                   guidance_scale=target.guidance_scale, built_with=built_with).images[0], np.int16)
+
+    rescaled, plain = made(guidance_rescale=1.0), made()
+    cli = np.asarray(Image.open(out), np.int16)
+    assert np.abs(cli - rescaled).max() <= 1 < np.abs(cli - plain).max()  # made with the argument, not without
+
+
 def test_run_without_artifact_says_how_to_build(tmp_path):
     result = CliRunner().invoke(main, ["run", "--target", TINY, "--artifacts", str(tmp_path), "--prompt", "x"])
     assert result.exit_code == 1

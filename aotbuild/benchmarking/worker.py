@@ -136,7 +136,7 @@ def _worker(args: argparse.Namespace) -> None:
                         width=bucket.width, batch=bucket.batch, guidance_scale=target.guidance_scale,
                         frames=bucket.frames, image=image, text=bucket.max_sequence_length, mask=mask,
                         control=control, control_mode=control_mode,
-                        image_prompt=image_prompt)
+                        image_prompt=image_prompt, built_with=target.call)
 
     started = since_spawn()
     first = call()

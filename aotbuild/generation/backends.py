@@ -42,12 +42,14 @@ def call_defaults(recorded: dict[str, Any]) -> dict[str, Any]:
     """What a call leaves out defaults to, from a target's recorded content (a manifest's
     `target`, or `Target.to_dict()`): its first bucket (its text length too: a bucket built at
     another than the call's default serves only that) and its guidance (0, off, for an artifact
-    built without guidance), 4 steps, seed 0. `aotbuild run` and `aotbuild serve`."""
+    built without guidance), 4 steps, seed 0, and the arguments the target passes every call
+    (`call`: its artifact was built with them). `aotbuild run` and `aotbuild serve`."""
     first = recorded["shapes"][0]
     guidance = UNGUIDED if recorded.get("guidance") == "unguided" else recorded["guidance_scale"]
     return {"steps": DEFAULT_STEPS, "seed": 0, "height": first["height"], "width": first["width"],
             "batch": first["batch"], "guidance_scale": guidance, "frames": first.get("frames"),
-            "text": first.get("max_sequence_length"), "image_prompt": bool(recorded.get("ip_adapter"))}
+            "text": first.get("max_sequence_length"), "image_prompt": bool(recorded.get("ip_adapter")),
+            "call": dict(recorded.get("call") or {})}
 
 
 LORA_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -261,7 +263,8 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
              width: int | None = None, batch: int = 1, guidance_scale: float = 5.0,
              negative_prompt: str | None = None, image: Any = None, strength: float | None = None,
              frames: int | None = None, text: int | None = None, mask: Any = None,
-             control: Any = None, control_mode: int | None = None, image_prompt: Any = None) -> Generation:
+             control: Any = None, control_mode: int | None = None, image_prompt: Any = None,
+             built_with: dict[str, Any] | None = None) -> Generation:
     """One image (or video, of `frames` frames) call, timing the first denoising step (the cost a
     cold start shows) and the total. With `image` (a PIL image; a list of those, edited together
     by an `EDITS_SEVERAL` pipeline), img2img: the pipeline's
@@ -272,7 +275,8 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
     pipeline inpaints (its `control_mask`); `control_mode`, a ControlNet-Union's mode for it, needed
     exactly when the ControlNet is one. `image_prompt`: the image an IP-Adapter loaded into the
     pipeline takes (`ip_adapter_image`), needed exactly when one is loaded. `text`: the call's
-    max_sequence_length (None: its default).
+    max_sequence_length (None: its default). `built_with`: the target's `call`, the arguments its
+    artifact was built with (PixArt's `use_resolution_binning = false`), passed as the build did.
     Several requests in one call: a list of prompts and a seed each, one image each (`batch` 1);
     each image's noise is drawn from its own seed, as when its prompt is made alone."""
     if isinstance(prompt, list) != isinstance(seed, list) or isinstance(seed, list) and (
@@ -302,7 +306,7 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
     def sized(picture: Any) -> Any:  # a picture the call takes, at the call's size where it gives one
         return picture.resize((width, height)) if height and width else picture
 
-    call: dict[str, Any] = {"num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
+    call: dict[str, Any] = {**(built_with or {}), "num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
                             "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, FRAMES: frames,
                             TEXT: text}
     if image is None:
