@@ -161,6 +161,19 @@ def test_a_call_breaking_a_relation_export_assumed_is_refused(chroma):
         compiled.transformer(**call, attention_mask=torch.ones(1, 512 + image_tokens + 16))
 
 
+def test_a_guidance_that_keeps_the_batch_is_captured_once(tmp_path_factory, chroma):
+    """Chroma calls its transformer twice a step under guidance, at the images' batch: the build
+    takes the guided run's calls for its unguided twin instead of running the pipeline again, and
+    the artifact serves a call without guidance as eager does."""
+    target, compiled, eager = chroma
+    progress = [message for stage, message in build_once(tmp_path_factory, target).progress if stage == "capture"]
+    taken = [m for m in progress if m.endswith("the guided run's calls (guidance did not double the batch)")]
+    assert taken and all("unguided" in m for m in taken)
+    assert not [m for m in progress if "unguided (batch x height x width)" in m]  # none ran
+    np.testing.assert_allclose(run(compiled, guidance_scale=1.0, height=64, width=64),
+                               run(eager, guidance_scale=1.0, height=64, width=64), atol=ATOL, rtol=0)
+
+
 def test_chroma_img2img_through_from_pipe(chroma):
     """ChromaImg2ImgPipeline.from_pipe keeps the compiled transformer and VAE (derived too)."""
     target, compiled, eager = chroma

@@ -44,6 +44,15 @@ class PendingOutput:
     kwargs: dict[str, Any]
 
 
+def tensor_shapes(call: CapturedCall) -> list[list[int]]:
+    return [list(leaf.shape) for leaf in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)]
+
+
+def call_batch(call: CapturedCall) -> int:
+    """The batch of a call: the first dim of its first tensor (latents, images)."""
+    return tensor_shapes(call)[0][0]
+
+
 def detached(tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), tree)
 

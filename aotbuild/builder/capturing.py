@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import inspect
 import math
@@ -107,6 +108,14 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
                      "extras": call_extras(pipe, spec, target, point.batch, point.height, point.width,
                                            point.images),
                      "image": point.image, "frames": point.frames}
+            twin = dataclasses.replace(point, guided=True).run
+            if key not in runs_done and not point.guided and _guidance_kept_batch(runs_done.get(twin), specs,
+                                                                                  point.batch):
+                # Its guided twin called the denoiser at the images' batch (Wan and Chroma call it twice a
+                # step): this run's calls have the same shapes. Not run again: a float32 step of a
+                # real-size video model is minutes.
+                progress("capture", f"at {point}: the guided run's calls (guidance did not double the batch)")
+                runs_done[key], block_runs[key] = runs_done[twin], block_runs[twin]
             if key not in runs_done:
                 progress("capture", f"at {point} (batch x height x width)")
                 with regions.recording(blocks or {}) as block_runs[key]:
@@ -125,6 +134,12 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             if (not s.recorded and point.alone is None) or point.alone == s.name:
                 calls[name][s.name] = capture.random_call(pipe, s, point.batch, *point.encoded, device)
     return calls, block_calls, seconds
+
+
+def _guidance_kept_batch(calls: dict[str, capture.CapturedCall] | None, specs: list, images: int) -> bool:
+    """Whether a guided run's denoiser calls were at the images' batch (guidance did not double it)."""
+    denoisers = [s.name for s in specs if s.denoiser and calls and s.name in calls]
+    return bool(denoisers) and all(capture.call_batch(calls[name]) == images for name in denoisers)
 
 
 def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, height: int, width: int,
