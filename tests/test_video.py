@@ -82,8 +82,10 @@ def test_buckets_name_their_frames_and_the_vae_says_why_it_is_eager(wan):
 
 def test_the_capture_decodes_only_where_it_times_the_decode(wan):
     """An eager VAE's decode is timed at each bucket's first capture (its share of a generation,
-    above); the other captures (the unguided calls here) stop at the latents: a video VAE's float32
-    decode takes minutes at real size (Wan 2.1 1.3B's at 480x832 px, 9 frames: ~4 min)."""
+    above); another capture would stop at the latents (a video VAE's float32 decode takes minutes
+    at real size: Wan 2.1 1.3B's at 480x832 px, 9 frames, ~4 min), and the unguided ones here do
+    not run at all: Wan calls its transformer at the images' batch under guidance too, so they are
+    the guided run's calls."""
     from aotbuild.builder.capturing import capture_all, eager_vae_record
     from aotbuild.builder.plan import plan_target
     from aotbuild.spec.pipelines import frames_step, pipeline_spec
@@ -103,7 +105,7 @@ def test_the_capture_decodes_only_where_it_times_the_decode(wan):
     assert sorted(points) == ["b1_32x32_5f", "b1_32x32_5f:unguided", "b1_32x48_9f", "b1_32x48_9f:unguided"]
     assert decoded == [(1, 4, 5, 8, 12), (1, 4, 3, 8, 8)]  # the buckets' first points alone
     assert all(seconds[p]["decode"] > 0 for p in first)
-    assert all("decode" not in seconds[p] and seconds[p]["steps"] == 1 for p in points if p not in first)
+    assert all(p not in seconds for p in points if p not in first)  # not run
 
 
 def test_a_bf16_build_times_the_eager_vae_in_bf16_not_beside_the_float32_reference(tmp_path, monkeypatch):
