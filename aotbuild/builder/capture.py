@@ -95,8 +95,10 @@ def patched_methods(methods: dict[str, tuple[Any, str]],
 
 
 @contextlib.contextmanager
-def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, CapturedCall]]:
-    """Within the block, the first call of each spec's method on the pipeline is recorded. A VAE
+def recording(pipe: Any, specs: list[ComponentSpec],
+              counts: dict[str, int] | None = None) -> Iterator[dict[str, CapturedCall]]:
+    """Within the block, the first call of each spec's method on the pipeline is recorded, and
+    every call counted in `counts` (by spec name) when given. A VAE
     decoder's call, once every other spec's is recorded, is recorded without running, its output a
     `PendingOutput`, decoded later by `decode_pending` where the float32 denoiser no longer sits
     beside the float32 decode's activations (SDXL at 1024x1024 px: 4 GiB of them beside a 10 GiB
@@ -109,6 +111,8 @@ def recording(pipe: Any, specs: list[ComponentSpec]) -> Iterator[dict[str, Captu
         spec = by_name[name]
 
         def record(*args: Any, **kwargs: Any) -> Any:
+            if counts is not None:
+                counts[name] = counts.get(name, 0) + 1
             last = spec.part == "decoder" and name not in calls and calls.keys() >= by_name.keys() - {name}
             output = _zeros_like_call(original, args, kwargs) if last else original(*args, **kwargs)
             if name not in calls:
@@ -215,13 +219,15 @@ def capture_inputs(
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
     extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None, frames: int | None = None,
     timed_methods: dict[str, tuple[torch.nn.Module, str]] | None = None, timings: dict[str, float] | None = None,
+    per_step: dict[str, float] | None = None,
 ) -> dict[str, CapturedCall]:
     """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
     `image`: the size of the image an editing call takes; `frames`: a video's) and return the inputs of each component
     it calls (`ComponentSpec.recorded`); from `prompt_embeds` (made by `encode_prompt` for `batch`
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
     and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
-    the run whose calls are returned, and that run's `steps`. The run goes on past its latents only
+    the run whose calls are returned, and that run's `steps`; `per_step`, how many times a step
+    called each component (Wan's transformer: twice under guidance). The run goes on past its latents only
     where it records a VAE decoder's call (not decoded there: `recording`) or times methods (an
     eager VAE's decode); else it stops at the latents where the pipeline can return them: a video
     VAE's float32 decode takes minutes at real size."""
@@ -232,7 +238,8 @@ def capture_inputs(
     # A scheduler stretched to a terminal sigma (LTX-Video's shift_terminal) has no 1-step schedule.
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
-        with recording(pipe, specs) as calls, timed(timed_methods or {}) as seconds:
+        counts: dict[str, int] = {}
+        with recording(pipe, specs, counts) as calls, timed(timed_methods or {}) as seconds:
             run_pipeline_to(pipe, arguments, steps, output_type)
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
@@ -242,6 +249,8 @@ def capture_inputs(
                          f"(runs of up to {CAPTURE_STEPS[-1]} steps)")
     if timings is not None:
         timings.update(seconds, steps=steps)
+    if per_step is not None:
+        per_step.update({name: count / steps for name, count in counts.items()})
     return calls
 
 

@@ -95,6 +95,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
         module.to(device)
     runs_done: dict[tuple, dict] = {}
     block_runs: dict[tuple, regions.BlockCalls] = {}
+    per_step: dict[tuple, dict[str, float]] = {}  # by run: how many times a step called each component
     seconds: dict[str, dict[str, float]] = {}
     calls: dict[str, dict[str, capture.CapturedCall]] = {}
     block_calls: dict[str, regions.BlockCalls] = {}
@@ -109,11 +110,11 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
                                            point.images),
                      "image": point.image, "frames": point.frames}
             twin = dataclasses.replace(point, guided=True).run
-            if key not in runs_done and not point.guided and _guidance_kept_batch(runs_done.get(twin), specs,
-                                                                                  point.batch):
-                # Its guided twin called the denoiser at the images' batch (Wan and Chroma call it twice a
-                # step): this run's calls have the same shapes. Not run again: a float32 step of a
-                # real-size video model is minutes.
+            if key not in runs_done and not point.guided and _guidance_kept_batch(
+                    runs_done.get(twin), per_step.get(twin, {}), specs, point.batch):
+                # Its guided twin called the denoiser twice a step at the images' batch (Wan, Chroma):
+                # this run's calls are its first ones. Not run again: a float32 step of a real-size
+                # video model is minutes.
                 progress("capture", f"at {point}: the guided run's calls (guidance did not double the batch)")
                 runs_done[key], block_runs[key] = runs_done[twin], block_runs[twin]
             if key not in runs_done:
@@ -121,7 +122,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
                 with regions.recording(blocks or {}) as block_runs[key]:
                     runs_done[key] = capture.capture_inputs(
                         pipe, recorded, **shape, timed_methods=timed if name in timed_points else None,
-                        timings=seconds.setdefault(name, {}))
+                        timings=seconds.setdefault(name, {}), per_step=per_step.setdefault(key, {}))
             if loop is not None and name == loop.point:
                 loop.steps = max(loop.steps, seconds.get(name, {}).get("steps", 1))  # every model called
                 progress("capture", f"a {loop.steps}-step denoising loop at {point}")
@@ -136,10 +137,14 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     return calls, block_calls, seconds
 
 
-def _guidance_kept_batch(calls: dict[str, capture.CapturedCall] | None, specs: list, images: int) -> bool:
-    """Whether a guided run's denoiser calls were at the images' batch (guidance did not double it)."""
+def _guidance_kept_batch(calls: dict[str, capture.CapturedCall] | None, per_step: dict[str, float], specs: list,
+                         images: int) -> bool:
+    """Whether a guided run called each denoiser twice a step (or more) at the images' batch: the
+    guidance of two calls, whose first is the unguided run's call (not Z-Image's, which doubles
+    its list of images in one call)."""
     denoisers = [s.name for s in specs if s.denoiser and calls and s.name in calls]
-    return bool(denoisers) and all(capture.call_batch(calls[name]) == images for name in denoisers)
+    return bool(denoisers) and all(capture.call_batch(calls[name]) == images and per_step.get(name, 0) >= 2
+                                   for name in denoisers)
 
 
 def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, height: int, width: int,
