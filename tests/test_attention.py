@@ -80,6 +80,17 @@ def test_the_kernel_matches_aten_on_every_shape_it_takes(kernel, dtype, batch, h
 
 
 @needs_flags
+def test_a_nan_stays_nan_and_no_keys_attend_to_nothing_as_in_aten(kernel):
+    q, k, v = (_diffusers_layout(1, 8, 2, 16, seed) for seed in range(3))
+    k[0, 1, 3, 5] = float("nan")  # head 1, key 3: every query of head 1 attends to it
+    out = kernel(q, k, v, 0.25).transpose(1, 2)
+    aten = F.scaled_dot_product_attention(q, k, v, scale=0.25)
+    assert torch.equal(out.isnan(), aten.isnan()) and out[:, 1].isnan().all() and not out[:, 0].isnan().any()
+    empty = kernel(q, k[:, :, :0], v[:, :, :0], 0.25)
+    assert torch.equal(empty.transpose(1, 2), F.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0]))
+
+
+@needs_flags
 def test_the_kernel_says_what_it_does_not_take(kernel):
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(RuntimeError, match="aotbuild::attention takes bf16 or float32, the same for all three"):
@@ -92,7 +103,7 @@ def test_the_kernel_says_what_it_does_not_take(kernel):
 
 
 class _Attentions(torch.nn.Module):
-    """Two attentions the kernel computes exactly and four it does not."""
+    """Two attentions the kernel computes exactly and five it does not."""
 
     def forward(self, q, k, v, q32, odd, q16):
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
@@ -101,7 +112,8 @@ class _Attentions(torch.nn.Module):
                 F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                 F.scaled_dot_product_attention(q, k, v, is_causal=True),
                 F.scaled_dot_product_attention(odd, odd, odd),
-                F.scaled_dot_product_attention(q16, q16, q16))
+                F.scaled_dot_product_attention(q16, q16, q16),
+                F.scaled_dot_product_attention(q, k[:1], v[:1]))  # a batch of 1 broadcast
 
 
 @needs_flags
@@ -111,10 +123,10 @@ def test_only_the_attentions_the_kernel_computes_exactly_call_it(kernel):
               torch.randn(1, 2, 16, 8).half())
     graph = torch.export.export(_Attentions(), inputs).module(check_guards=False)
     expected = graph(*inputs)
-    assert replace_attention(graph) == (2, 6)
+    assert replace_attention(graph) == (2, 7)
     calls = [n.target for n in graph.graph.nodes if n.op == "call_function"]
     assert calls.count(torch.ops.aotbuild.attention.default) == 2
-    assert calls.count(torch.ops.aten.scaled_dot_product_attention.default) == 4
+    assert calls.count(torch.ops.aten.scaled_dot_product_attention.default) == 5
     got = graph(*inputs)
     torch.testing.assert_close(got[0], expected[0], atol=1e-2, rtol=0)  # the scale the model passes, kept
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=0)

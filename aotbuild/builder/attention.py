@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,26 +52,36 @@ def compiled_library() -> Path:
     """
     from ..runtime.cache import cache_root, private_dir
 
+    command = _compile_command(Path("{output}"))  # what makes the library: the source, the compiler and its flags
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(),
-                                     (torch.version.git_version or "").encode(), " ".join(MACHINE_FLAGS).encode()]))
+                                     (torch.version.git_version or "").encode(), version.encode(),
+                                     " ".join(command).encode()]))
     library = private_dir(cache_root() / "kernels") / f"attention_cpu-{key.hexdigest()[:16]}.so"
     if library.is_file():
         return library
     with tempfile.TemporaryDirectory(dir=library.parent) as staging:
         built = Path(staging) / library.name
-        result = subprocess.run(_compile_command(built), capture_output=True, text=True)
+        result = subprocess.run([os.fspath(built) if arg == "{output}" else arg for arg in command],
+                                capture_output=True, text=True)
         if result.returncode != 0:
             raise BuildError(f"compiling aotbuild's attention kernel failed:\n{result.stderr[-4000:]}")
         os.replace(built, library)
     return library
 
 
+def _arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """An `aten.scaled_dot_product_attention` node's arguments by name (scale and enable_gqa are
+    keyword-only)."""
+    return dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args, strict=False)) \
+        | node.kwargs
+
+
 def _takes(node: torch.fx.Node) -> bool:
     """Whether `aotbuild::attention` computes this `aten.scaled_dot_product_attention` exactly:
     query, key and value of one dtype, bf16 or float32, of [batch, heads, tokens, head size], one
     head count, a head size of at most 512 (even in bf16), no mask, no dropout, not causal."""
-    args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args, strict=False)) \
-        | node.kwargs
+    args = _arguments(node)
     values = [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
               for arg in (args.get("query"), args.get("key"), args.get("value"))]
     if not all(isinstance(v, torch.Tensor) and v.dtype == values[0].dtype and v.ndim == 4 for v in values) or \
@@ -82,7 +93,8 @@ def _takes(node: torch.fx.Node) -> bool:
             and not args.get("enable_gqa") and isinstance(head_size, int)
             and (head_size % 2 == 0 or query.dtype == torch.float32)
             and head_size <= MAX_HEAD_SIZE and key.shape[-1] == head_size and value.shape[-1] == head_size
-            and query.shape[1] == key.shape[1] == value.shape[1])
+            and query.shape[0] == key.shape[0] == value.shape[0]  # ATen broadcasts a batch of 1; the kernel not
+            and query.shape[1] == key.shape[1] == value.shape[1] and key.shape[2] == value.shape[2])
 
 
 def replace_attention(gm: torch.fx.GraphModule) -> tuple[int, int]:
@@ -95,8 +107,8 @@ def replace_attention(gm: torch.fx.GraphModule) -> tuple[int, int]:
     for node in attentions:
         if not _takes(node):
             continue
-        query, key, value = node.args[:3]
-        scale = node.kwargs.get("scale")
+        args = _arguments(node)
+        query, key, value, scale = args["query"], args["key"], args["value"], args.get("scale")
         if scale is None:  # ATen's default
             scale = query.meta["val"].shape[-1] ** -0.5
         with gm.graph.inserting_before(node):

@@ -18,9 +18,10 @@ constexpr int64_t KPAD = 64; // keys are packed in groups of this many
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// exp for x <= 0 (scores minus their row's max), relative error ~1e-7.
+// exp for x <= 0 (scores minus their row's max), relative error ~1e-7; NaN stays NaN (max
+// returns its second operand where one is NaN), as in ATen's.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -220,6 +221,7 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::T
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(1) == H && v.size(1) == H && v.size(2) == Lk,
               "aotbuild::attention: key and value of the query's batch and heads, and of one length");
   at::Tensor out = at::empty({B, Lq, H, D}, q.options());
+  if (Lk == 0) return out.zero_();  // no key to attend to: ATen's zeros
   if (dtype == at::kBFloat16)
     attend<at::BFloat16>(q, k, v, scale, out);
   else

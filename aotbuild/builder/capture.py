@@ -8,7 +8,7 @@ import functools
 import inspect
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,11 +94,25 @@ def patched_methods(methods: dict[str, tuple[Any, str]],
                 delattr(module, method)
 
 
+@dataclass
+class Calls:
+    """How a run called a component: how many times, and the first two calls' inputs' structure
+    (their tensors' shapes, the other values' types)."""
+
+    count: int = 0
+    first_two: list = field(default_factory=list)
+
+
+def _structure(args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return str(spec), tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in leaves)
+
+
 @contextlib.contextmanager
 def recording(pipe: Any, specs: list[ComponentSpec],
-              counts: dict[str, int] | None = None) -> Iterator[dict[str, CapturedCall]]:
+              counted: dict[str, Calls] | None = None) -> Iterator[dict[str, CapturedCall]]:
     """Within the block, the first call of each spec's method on the pipeline is recorded, and
-    every call counted in `counts` (by spec name) when given. A VAE
+    every call counted in `counted` (by spec name) when given. A VAE
     decoder's call, once every other spec's is recorded, is recorded without running, its output a
     `PendingOutput`, decoded later by `decode_pending` where the float32 denoiser no longer sits
     beside the float32 decode's activations (SDXL at 1024x1024 px: 4 GiB of them beside a 10 GiB
@@ -111,8 +125,11 @@ def recording(pipe: Any, specs: list[ComponentSpec],
         spec = by_name[name]
 
         def record(*args: Any, **kwargs: Any) -> Any:
-            if counts is not None:
-                counts[name] = counts.get(name, 0) + 1
+            if counted is not None:
+                seen = counted.setdefault(name, Calls())
+                seen.count += 1
+                if len(seen.first_two) < 2:
+                    seen.first_two.append(_structure(args, kwargs))
             last = spec.part == "decoder" and name not in calls and calls.keys() >= by_name.keys() - {name}
             output = _zeros_like_call(original, args, kwargs) if last else original(*args, **kwargs)
             if name not in calls:
@@ -219,7 +236,7 @@ def capture_inputs(
     text: int | None = None, prompt_embeds: dict[str, torch.Tensor | None] | None = None,
     extras: dict[str, Any] | None = None, image: tuple[int, int] | None = None, frames: int | None = None,
     timed_methods: dict[str, tuple[torch.nn.Module, str]] | None = None, timings: dict[str, float] | None = None,
-    per_step: dict[str, float] | None = None,
+    per_step: dict[str, tuple[float, bool]] | None = None,
 ) -> dict[str, CapturedCall]:
     """Run the pipeline once (one denoising step) at this shape (`text`: its `max_sequence_length`;
     `image`: the size of the image an editing call takes; `frames`: a video's) and return the inputs of each component
@@ -227,7 +244,8 @@ def capture_inputs(
     images) when given; `extras` are further arguments of the call (an inpainting pipeline's image
     and mask). `timings`, when given, receives the seconds spent in each of `timed_methods` during
     the run whose calls are returned, and that run's `steps`; `per_step`, how many times a step
-    called each component (Wan's transformer: twice under guidance). The run goes on past its latents only
+    called each component (Wan's transformer: twice under guidance) and whether its first two calls
+    were alike in structure and shapes. The run goes on past its latents only
     where it records a VAE decoder's call (not decoded there: `recording`) or times methods (an
     eager VAE's decode); else it stops at the latents where the pipeline can return them: a video
     VAE's float32 decode takes minutes at real size."""
@@ -238,8 +256,8 @@ def capture_inputs(
     # A scheduler stretched to a terminal sigma (LTX-Video's shift_terminal) has no 1-step schedule.
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
-        counts: dict[str, int] = {}
-        with recording(pipe, specs, counts) as calls, timed(timed_methods or {}) as seconds:
+        counted: dict[str, Calls] = {}
+        with recording(pipe, specs, counted) as calls, timed(timed_methods or {}) as seconds:
             run_pipeline_to(pipe, arguments, steps, output_type)
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
@@ -250,7 +268,7 @@ def capture_inputs(
     if timings is not None:
         timings.update(seconds, steps=steps)
     if per_step is not None:
-        per_step.update({name: count / steps for name, count in counts.items()})
+        per_step.update({name: (seen.count / steps, len(set(seen.first_two)) == 1) for name, seen in counted.items()})
     return calls
 
 

@@ -95,7 +95,7 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
         module.to(device)
     runs_done: dict[tuple, dict] = {}
     block_runs: dict[tuple, regions.BlockCalls] = {}
-    per_step: dict[tuple, dict[str, float]] = {}  # by run: how many times a step called each component
+    per_step: dict[tuple, dict[str, tuple[float, bool]]] = {}  # by run: calls a step, the first two alike
     seconds: dict[str, dict[str, float]] = {}
     calls: dict[str, dict[str, capture.CapturedCall]] = {}
     block_calls: dict[str, regions.BlockCalls] = {}
@@ -112,9 +112,9 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
             twin = dataclasses.replace(point, guided=True).run
             if key not in runs_done and not point.guided and _guidance_kept_batch(
                     runs_done.get(twin), per_step.get(twin, {}), specs, point.batch):
-                # Its guided twin called the denoiser twice a step at the images' batch (Wan, Chroma):
-                # this run's calls are its first ones. Not run again: a float32 step of a real-size
-                # video model is minutes.
+                # Its guided twin called the denoiser twice a step at the images' batch, two calls alike
+                # (Wan, Chroma): this run's calls are those. Not run again: a float32 step of a
+                # real-size video model is minutes.
                 progress("capture", f"at {point}: the guided run's calls (guidance did not double the batch)")
                 runs_done[key], block_runs[key] = runs_done[twin], block_runs[twin]
             if key not in runs_done:
@@ -137,14 +137,15 @@ def capture_all(pipe: Any, spec: PipelineSpec, specs: list, target: Target, poin
     return calls, block_calls, seconds
 
 
-def _guidance_kept_batch(calls: dict[str, capture.CapturedCall] | None, per_step: dict[str, float], specs: list,
-                         images: int) -> bool:
-    """Whether a guided run called each denoiser twice a step (or more) at the images' batch: the
-    guidance of two calls, whose first is the unguided run's call (not Z-Image's, which doubles
-    its list of images in one call)."""
+def _guidance_kept_batch(calls: dict[str, capture.CapturedCall] | None, per_step: dict[str, tuple[float, bool]],
+                         specs: list, images: int) -> bool:
+    """Whether a guided run called each denoiser twice a step (or more) at the images' batch, its
+    first two calls alike in structure and shapes: the guidance of two calls, either of which
+    has the unguided run's shapes (not Z-Image's, which doubles its list of images in one call, nor
+    a negative prompt of another text length than the prompt's)."""
     denoisers = [s.name for s in specs if s.denoiser and calls and s.name in calls]
-    return bool(denoisers) and all(capture.call_batch(calls[name]) == images and per_step.get(name, 0) >= 2
-                                   for name in denoisers)
+    return bool(denoisers) and all(capture.call_batch(calls[name]) == images and per_step.get(name, (0, False))[0] >= 2
+                                   and per_step[name][1] for name in denoisers)
 
 
 def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, height: int, width: int,

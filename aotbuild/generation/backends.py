@@ -306,7 +306,7 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
     def sized(picture: Any) -> Any:  # a picture the call takes, at the call's size where it gives one
         return picture.resize((width, height)) if height and width else picture
 
-    call: dict[str, Any] = {**(built_with or {}), "num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
+    call: dict[str, Any] = {"num_inference_steps": steps, per_prompt(type(pipe).__call__): batch,
                             "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, FRAMES: frames,
                             TEXT: text}
     if image is None:
@@ -345,6 +345,8 @@ def generate(pipe: Any, prompt: str | list[str], *, steps: int, seed: int | list
             call["mask_image"] = sized(mask)
         call["strength"] = strength
     taken = inspect.signature(type(pipe).__call__).parameters
+    # Those of the build's arguments this pipeline takes (an img2img sibling may take fewer).
+    call |= {name: value for name, value in (built_with or {}).items() if name in taken}
     step = frames_step(pipe)
     if frames is not None and (around := frames_around(frames, step)):
         raise AotbuildError(f"{type(pipe).__name__} makes 1 + a multiple of {step} frames (its VAE's temporal "

@@ -4,7 +4,11 @@ code calls in place of ATen's CPU flash attention (`builder/attention.py` makes 
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
+import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,14 +30,31 @@ def registered() -> bool:
     return hasattr(torch.ops.aotbuild, "attention")
 
 
-def load_library(path: Path) -> None:
-    """Register `aotbuild::attention` from the library at `path`, once per process (torch refuses
-    a second library registering the namespace), with its shape function for export and compile."""
-    if registered():
-        return
-    torch.ops.load_library(os.fspath(path))
+_LOCK = threading.Lock()
+_LOADED: list[str] = []  # the sha256 of the library registered in this process
 
-    @torch.library.register_fake("aotbuild::attention")
-    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, heads, tokens, head_size = query.shape
-        return query.new_empty((batch, tokens, heads, head_size))
+
+def load_library(path: Path) -> None:
+    """Register `aotbuild::attention` from the library at `path` (an artifact's file as checked:
+    `/proc/self/fd/N`, opened as is, not by its name again), with its shape function for export
+    and compile. Once per process: torch refuses a second library registering the namespace, so a
+    library of other content asked for later (another artifact's kernel) is not loaded, and said.
+
+    Raises:
+        OSError: the library cannot be loaded (not this platform's).
+    """
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    with _LOCK:
+        if registered():
+            if _LOADED and _LOADED[0] != digest:
+                warnings.warn(f"aotbuild: this process runs the attention kernel it loaded first (sha256 "
+                              f"{_LOADED[0][:16]}), not {path}'s ({digest[:16]}): one kernel per process",
+                              stacklevel=3)
+            return
+        ctypes.CDLL(os.fspath(path))  # registers the operator (its TORCH_LIBRARY)
+        _LOADED.append(digest)
+
+        @torch.library.register_fake("aotbuild::attention")
+        def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+            batch, heads, tokens, head_size = query.shape
+            return query.new_empty((batch, tokens, heads, head_size))
