@@ -679,6 +679,7 @@ def pipeline_spec(class_name: str) -> PipelineSpec:
     return spec
 
 
+@functools.cache  # asked by derived_spec, then by pipeline_spec for its message
 def not_derivable(class_name: str) -> str | None:
     """Why a diffusers pipeline class gets no derived spec, in what it makes and takes (None: not a
     diffusers pipeline class, or one that gets a spec)."""
