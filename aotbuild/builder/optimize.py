@@ -17,7 +17,7 @@ import torch
 
 from ..errors import TargetError
 from ..runtime.attention import LIBRARY_FILE, load_library, missing_cpu_flags
-from ..spec.manifest import DTYPES
+from ..spec.manifest import DTYPES, cpu_isa_flags
 from ..spec.private_apis import pytree, unwrap_tensor_subclasses
 from ..spec.recipes import QUANT_RECIPES, capability
 from .attention import compiled_library
@@ -140,7 +140,12 @@ def apply_sdpa(modules: Modules, value: str, device: str) -> dict[str, Any]:
     if value != "aotbuild":
         return {"backend": value}
     load_library(compiled_library())  # before export: the compile traces the op
-    return {"backend": value, "library": LIBRARY_FILE}
+    record = {"backend": value, "library": LIBRARY_FILE}
+    if "amx_bf16" in cpu_isa_flags():  # ATen's attention packs for AMX's tiles; this kernel does not
+        record["note"] = ("this CPU has AMX, whose tiles ATen's CPU attention uses and aotbuild's kernel does not; "
+                          "the kernel was measured faster on AVX512-BF16 CPUs without AMX: compare both "
+                          "(aotbuild bench --component ... --against a target with sdpa = \"auto\")")
+    return record
 
 
 # The models whose fuse_qkv_projections puts diffusers' FusedJointAttnProcessor2_0 on every attention.
