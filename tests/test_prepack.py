@@ -228,7 +228,7 @@ def test_each_linear_weight_gets_the_packing_that_measures_faster(monkeypatch):
         return 1.0 if hint != 1 else {96: 0.5, 64: 0.95}[outputs]
 
     monkeypatch.setattr(export, "packed_linear_seconds", seconds)
-    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    _, recipes, _ = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
     assert sorted(asked) == [(16, 64, 96, torch.bfloat16, 1), (16, 64, 96, torch.bfloat16, 16),
                              (16, 96, 64, torch.bfloat16, 1), (16, 96, 64, torch.bfloat16, 16)]
     packings = {next(iter(sources(recipe))): recipe for recipe in recipes.values()
@@ -421,7 +421,7 @@ def test_a_frozen_compile_leaves_no_copy_of_the_weights_behind():
     module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Flatten(),
                                  torch.nn.Linear(8 * 8 * 8, 16)).eval()
     program = torch.export.export(module, (torch.randn(1, 4, 8, 8),))
-    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    _, recipes, _ = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
     assert recipes  # it froze, and packed
     gc.collect()
     graphs = [o for o in gc.get_objects() if isinstance(o, torch.fx.GraphModule)]
@@ -449,7 +449,7 @@ def test_a_cropped_table_is_a_recipe_too():
     torch.manual_seed(0)
     module = Cropped().eval()
     program = torch.export.export(module, (torch.randn(1, 8, 8),))
-    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    _, recipes, _ = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
     sliced = [r for r in recipes.values() if "aten.slice.Tensor" in json.dumps(r)]
     assert sliced and all(sources(r) == {"table"} for r in sliced)
     other = torch.randn(1, 16, 8)
@@ -496,7 +496,7 @@ def test_a_rotary_table_split_and_concatenated_is_a_recipe_too():
 
     torch.manual_seed(0)
     program = torch.export.export(Rotary().eval(), (torch.randn(24, 12),))
-    _, recipes = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
+    _, recipes, _ = export.compile_variant(program, export.inductor_options({}, inductor_flags({"prepack": True})))
     tables = [r for r in recipes.values() if sources(r) == {"table"}]
     assert len(tables) == 1 and {"aten.cat.default", "operator.getitem", "aten.expand.default"} <= \
         set(re.findall(r'"op": "([^"]+)"', json.dumps(tables[0])))

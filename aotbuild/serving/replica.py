@@ -204,7 +204,7 @@ class ImageServer:
                               guidance_scale=first["guidance_scale"], negative_prompt=first["negative_prompt"],
                               frames=first["frames"], text=self.defaults["text"], image=first["image"],
                               mask=first["mask"], strength=first["strength"],
-                              image_prompt=first["ip_adapter_image"], built_with=self.defaults["call"])
+                              image_prompt=first["ip_adapter_image"], built_with=self.defaults.get("call"))
         except AotbuildError as exc:  # a call aotbuild or the pipeline's own checks refuse, in their words
             hint = f" ({exc.hint})" if exc.hint else ""
             return {"status": 422, "error": scrubbed(f"{exc.message}{hint}")}
