@@ -12,6 +12,7 @@ which a load registers from there (`runtime/attention.py`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -43,6 +44,7 @@ def _compile_command(output: Path) -> list[str]:
             *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
 
 
+@functools.cache  # asked by the sdpa pass and again when packaging: the compiler's version once
 def compiled_library() -> Path:
     """The attention kernel compiled for this torch build: once per source and torch, in this
     user's cache ($AOTBUILD_CACHE/kernels), renamed into place whole.

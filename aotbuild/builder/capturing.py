@@ -144,8 +144,11 @@ def _guidance_kept_batch(calls: dict[str, capture.CapturedCall] | None, per_step
     has the unguided run's shapes (not Z-Image's, which doubles its list of images in one call, nor
     a negative prompt of another text length than the prompt's)."""
     denoisers = [s.name for s in specs if s.denoiser and calls and s.name in calls]
-    return bool(denoisers) and all(capture.call_batch(calls[name]) == images and per_step.get(name, (0, False))[0] >= 2
-                                   and per_step[name][1] for name in denoisers)
+    for name in denoisers:
+        calls_per_step, alike = per_step.get(name, (0, False))
+        if capture.call_batch(calls[name]) != images or calls_per_step < 2 or not alike:
+            return False
+    return bool(denoisers)
 
 
 def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, height: int, width: int,

@@ -282,7 +282,7 @@ def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProg
     the seconds the compiles took. With `optimize.sdpa = "aotbuild"` the attention kernel's
     library goes into the artifact once a program calls it."""
     compiled, folded, start = {}, {}, time.perf_counter()
-    kernel = ctx.target.optimize.get("sdpa") == "aotbuild"
+    kernel, calling = ctx.target.optimize.get("sdpa") == "aotbuild", False
     for i, (name, program) in enumerate(programs.items(), 1):
         with ctx.stages("compile", f"{what} {name} ({i}/{len(programs)}, AOTInductor)"):
             compiled[name], folded[name], (replaced, attentions) = export.compile_variant(
@@ -292,10 +292,10 @@ def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProg
                                                       f"over {attention.MAX_HEAD_SIZE} or odd in bf16)")
             ctx.stages.progress("compile", f"{what} {name}: {replaced} of {attentions} attentions call aotbuild's "
                                            f"kernel{rest}")
-        if replaced:
-            library = ctx.out / LIBRARY_FILE
-            library.parent.mkdir(exist_ok=True)
-            shutil.copyfile(attention.compiled_library(), library)
+        calling |= replaced > 0
+    if calling:
+        (ctx.out / LIBRARY_FILE).parent.mkdir(exist_ok=True)
+        shutil.copyfile(attention.compiled_library(), ctx.out / LIBRARY_FILE)
     return compiled, folded, time.perf_counter() - start
 
 

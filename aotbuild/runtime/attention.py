@@ -34,16 +34,17 @@ _LOCK = threading.Lock()
 _LOADED: list[str] = []  # the sha256 of the library registered in this process
 
 
-def load_library(path: Path) -> None:
+def load_library(path: Path, sha256: str | None = None) -> None:
     """Register `aotbuild::attention` from the library at `path` (an artifact's file as checked:
-    `/proc/self/fd/N`, opened as is, not by its name again), with its shape function for export
-    and compile. Once per process: torch refuses a second library registering the namespace, so a
-    library of other content asked for later (another artifact's kernel) is not loaded, and said.
+    `/proc/self/fd/N`, opened as is, not by its name again; `sha256`, its checked hash, else read
+    here), with its shape function for export and compile. Once per process: torch refuses a
+    second library registering the namespace, so a library of other content asked for later
+    (another artifact's kernel) is not loaded, and said.
 
     Raises:
         OSError: the library cannot be loaded (not this platform's).
     """
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    digest = sha256 or hashlib.sha256(Path(path).read_bytes()).hexdigest()
     with _LOCK:
         if registered():
             if _LOADED and _LOADED[0] != digest:

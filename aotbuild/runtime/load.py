@@ -198,7 +198,7 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     with open_artifact_files(folder, manifest, verify=verify) as files:
         library = manifest["optimizations"]["passes"].get("sdpa", {}).get("library")
         if library in manifest["files"]:  # optimize.sdpa = "aotbuild": the kernel its compiled code calls
-            load_library(files.path(library))
+            load_library(files.path(library), manifest["files"][library]["sha256"])
         for name, entry in manifest["components"].items():
             source = (weights or {}).get(name)
             eager_module = (eager or {}).get(name)
