@@ -784,6 +784,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         + " ".join(f"{k}={v}" for k, v in m["optimizations"]["passes"].items()),
         "components",
     ]
+    compared = m["target"].get("reference_dtype", "float32")
+    reference = f" vs eager {compared}" if compared != "float32" else ""  # float32 unless the target said
     for name, c in m["components"].items():
         layouts = len(c["constants"].get("layouts", {}))
         lines.append(f"  {name:<12} {c['package']} + {c['weights']} ({c['constants']['count']} constants, "
@@ -793,7 +795,7 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
             num = v.get("numerics", {})
             error = (f"rel.err {num.get('max_rel_error', float('nan')):.2e}"
                      + (f" L2 {num['rel_l2_error']:.2e}" if "rel_l2_error" in num else "")
-                     + f" (tol {num.get('tolerance', '?')})")
+                     + f" (tol {num.get('tolerance', '?')})" + reference)
             prepared = f"   {len(v['prepared'])} constants prepared at load" if v.get("prepared") else ""
             lines.append(f"    {v['name']:<12} {variant_coverage(v)}   {error}{prepared}   {_inputs_text(v['inputs'])}")
         if c.get("mode") == "regional":
@@ -806,7 +808,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
     lines.append(f"  {'total':<26} {_mib(total):>10}")
     if loop := m.get("validation", {}).get("loop"):
         steps = f"{loop['steps']} step{'s' * (loop['steps'] != 1)}"
-        lines.append(f"loop       {steps} at {loop['at']}, compiled vs eager float32: {loop['compared']} "
+        against = loop["reference"].split(",")[0]  # "eager float32", or the target's reference_dtype
+        lines.append(f"loop       {steps} at {loop['at']}, compiled vs {against}: {loop['compared']} "
                      f"rel.err {loop['max_rel_error']:.2e} L2 {loop['rel_l2_error']:.2e} (tol {loop['tolerance']})")
     lines.append("timings    " + "  ".join(f"{k} {v:.1f}s" for k, v in m["timings"].items()))
     if m.get("peak_rss_mib"):

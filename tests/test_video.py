@@ -108,22 +108,28 @@ def test_the_capture_decodes_only_where_it_times_the_decode(wan):
     assert all(p not in seconds for p in points if p not in first)  # not run
 
 
-def test_a_bf16_build_times_the_eager_vae_in_bf16_not_beside_the_float32_reference(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reference", ["float32", "bfloat16"])
+def test_a_bf16_build_times_the_eager_vae_in_bf16_not_beside_the_float32_reference(tmp_path, monkeypatch, reference):
     """The eager VAE's share is timed in the target's dtype, as it decodes at generation: in the
     capture of the bf16 pipeline's example inputs, not in the float32 reference, which does not
     decode at all (at real size a video VAE's float32 decode sat beside the float32 pipeline: Wan
     2.1 1.3B's build peaked at 5.6x its weights). Its validation loads the artifact once, for the
-    single calls and the loop alike: torch keeps a load's packed constants till the process ends."""
-    from diffusers import AutoencoderKLWan
+    single calls and the loop alike: torch keeps a load's packed constants till the process ends.
+    With `reference_dtype = "bfloat16"` no model is ever float32: the reference is the eager
+    pipeline in bf16, which the compiled one is validated against and which times the decode."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
     from aotbuild.runtime.variant import CompiledVariant
 
     target = load_target(TARGETS / "cpu-tiny-wan.toml")
-    target = dataclasses.replace(target, name="wan-bf16", dtype="bfloat16", shapes=target.shapes[1:])
-    decoded = []
-    decode = AutoencoderKLWan.decode
+    target = dataclasses.replace(target, name="wan-bf16", dtype="bfloat16", shapes=target.shapes[1:],
+                                 reference_dtype=reference)
+    decoded, called = [], set()
+    decode, forward = AutoencoderKLWan.decode, WanTransformer3DModel.forward
     monkeypatch.setattr(AutoencoderKLWan, "decode", lambda vae, latents, *args, **kwargs: (
         decoded.append((vae.dtype, tuple(latents.shape))), decode(vae, latents, *args, **kwargs))[1])
+    monkeypatch.setattr(WanTransformer3DModel, "forward", lambda model, *args, **kwargs: (
+        called.add(model.dtype), forward(model, *args, **kwargs))[1])
     opened = []
     open_variant = CompiledVariant.__init__
     monkeypatch.setattr(CompiledVariant, "__init__", lambda variant, package, entry, *args: (
@@ -133,8 +139,16 @@ def test_a_bf16_build_times_the_eager_vae_in_bf16_not_beside_the_float32_referen
     assert opened == [("transformer.pt2", "b1_32x32_5f")]
     share = built.manifest["eager"]["vae"]["share"]["b1_32x32_5f"]
     assert share["dtype"] == "bfloat16" and share["decode_s"] > 0 and share["denoiser_step_s"] > 0
+    assert called == {torch.bfloat16} if reference == "bfloat16" else {torch.float32, torch.bfloat16}
+    numerics = built.manifest["components"]["transformer"]["variants"][0]["numerics"]
+    assert numerics["reference"] == f"eager {reference}, unoptimized, every output"
+    assert numerics["max_rel_error"] < (1e-2 if reference == "bfloat16" else 5e-2)
+    assert built.manifest["validation"]["loop"]["reference"] == f"eager {reference}, unoptimized"
+    assert ("reference_dtype" in built.manifest["target"]) == (reference == "bfloat16")
     result = CliRunner().invoke(main, ["inspect", str(built.folder)])
     assert "; measured eager bfloat16 at build: " in result.output, result.output
+    assert f"compiled vs eager {reference}: final latents" in result.output, result.output
+    assert (" (tol 0.05) vs eager bfloat16" in result.output) == (reference == "bfloat16"), result.output
 
 
 def test_a_peer_that_cannot_convert_the_model_is_skipped_saying_why(wan, tmp_path):

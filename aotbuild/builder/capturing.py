@@ -170,9 +170,9 @@ def call_extras(pipe: Any, spec: PipelineSpec, target: Target, batch: int, heigh
 
 @dataclass
 class Loop:
-    """A short denoising loop the build runs eager float32 at capture (at `point`, for `steps`
-    steps: the target's `validation_steps`, or as many as the capture needed for every model to be
-    called) and again compiled: the pipeline call it made (`arguments`) and its final latents
+    """A short denoising loop the build runs eager at capture, in the reference's dtype (at `point`,
+    for `steps` steps: the target's `validation_steps`, or as many as the capture needed for every
+    model to be called) and again compiled: the pipeline call it made (`arguments`) and its final latents
     (`latents`). A single call within tolerance can still drift over steps: the loop shows it."""
 
     point: str
@@ -224,17 +224,19 @@ def eager_share(pipe: Any, plans: list[VariantPlan], seconds: dict[str, dict[str
     return shares
 
 
-def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.device, folder: Path | None = None) -> Any:
-    """The target's pipeline in float32 on `device`, from `folder` (its source, already resolved)."""
+def load_source_pipeline(target: Target, spec: PipelineSpec, device: torch.device, folder: Path | None = None,
+                         dtype: torch.dtype = torch.float32) -> Any:
+    """The target's pipeline in `dtype` on `device`, from `folder` (its source, already resolved).
+    Each model is cast as it is read: in bfloat16, no float32 copy of the pipeline is ever held whole."""
     if folder is None:
         folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),
                                         dtype=target.dtype)
     seed = target.seed if sources.is_random(target.source) else None
     half = target.dtype in sources.HALF_DTYPES
     components = sources.load_components(folder, seed=seed, skip={"controlnet"} if target.controlnet else set(),
-                                         dtype=torch.float32, half_files=half)
+                                         dtype=dtype, half_files=half)
     if target.controlnet:  # a ControlNet of its own repo, beside a base checkpoint
-        components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, torch.float32, half)
+        components["controlnet"] = sources.load_model(target.controlnet, target.base_dir, dtype, half)
     if "controlnet" in components:
         _check_controlnet_form(components["controlnet"], spec.class_name)
     pipe = sources.assemble_pipeline(spec, folder, components)
@@ -333,8 +335,9 @@ def optimize_pipeline(pipe: Any, specs: list[ComponentSpec], target: Target) -> 
                 and getattr(component, "dtype", None) != DTYPES[target.dtype]:  # a cast that is no cast warns
             component.to(DTYPES[target.dtype])
     force_upcast = {name: bool(getattr(m.config, "force_upcast", False)) for name, m in unique.items()}
+    read = {name: m.dtype for name, m in unique.items()}  # float32, or a reference in the target's dtype
     dtypes = optimize.apply_dtype(unique, target.dtype, force_upcast)
     dtypes = {name: dtypes[first[id(module)]] for name, module in modules.items()}
     passes = optimize.apply_passes(unique, target.optimize, target.device)
-    changes_inputs = any(d != "float32" for d in dtypes.values()) or bool(target.optimize)
+    changes_inputs = any(m.dtype != read[name] for name, m in unique.items()) or bool(target.optimize)
     return modules, {"dtype": dtypes, "passes": passes, "changes_inputs": changes_inputs}

@@ -31,6 +31,7 @@ from ..runtime import sources
 from ..runtime.cache import check_artifact_files, mark_verified
 from ..runtime.variant import tf32
 from ..spec.manifest import (
+    DTYPES,
     REGIONAL_SCHEMA,
     SCHEMA_VERSION,
     aotbuild_version,
@@ -165,7 +166,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
         folder = sources.resolve_folder(target.source, target.revision, target.base_dir, skip=set(),
                                         dtype=target.dtype)
         source = source_record(target, folder)  # what was read: the commit a branch resolved to, a fingerprint
-        pipe = load_source_pipeline(target, spec, torch.device("cpu"), folder)  # capture_all places the models
+        pipe = load_source_pipeline(target, spec, torch.device("cpu"), folder,  # capture_all places the models
+                                    dtype=DTYPES[target.reference_dtype])
     check_frames(target, pipe)
     optimize.check_passes({s.name: getattr(pipe, s.attribute) for s in specs}, target.optimize)
     points, plans = plan_target(target, spec, specs, getattr(pipe, "vae", None), frames_step(pipe))
@@ -181,8 +183,8 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     # beside the float32 pipeline: Wan 2.1 1.3B's float32 decode of 9 frames at 480x832 px, ~8 GiB.
     timed = eager_vae.pop("timed") if eager_vae else None
     timed_points = [plan.points[0] for plan in plans[denoiser.name] if plan.kind == "bucket"] if eager_vae else []
-    timed_later = eager_vae is not None and target.dtype != "float32"
-    with stages("capture", "eager float32 reference"), tf32(False):  # plain float32, whatever the recipe
+    timed_later = eager_vae is not None and target.dtype != target.reference_dtype
+    with stages("capture", f"eager {target.reference_dtype} reference"), tf32(False):  # no TF32, whatever the recipe
         reference, block_calls, seconds = capture_all(pipe, spec, specs, target, points, device, stages.progress,
                                                        instances, timed=None if timed_later else timed,
                                                        timed_points=timed_points, loop=loop)
@@ -204,17 +206,17 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
              for r in found}
     # The capture recorded the VAE decoder's calls without decoding (`capture.recording`): the VAE
     # as captured (float32) decodes them once the denoiser is cast to the target's dtype (a copy of
-    # it: the pipeline's is cast too), or now where nothing is cast.
+    # it: the pipeline's is cast too), or now where nothing is cast (a reference in that dtype).
     decoder = next((s for s in specs if s.part == "decoder"), None)
     pending = decoder and any(isinstance(getattr(calls.get(decoder.name), "output", None), capture.PendingOutput)
                               for calls in reference.values())
 
     def decode_reference(vae: torch.nn.Module) -> None:
-        with stages("capture", "the VAE decoder's float32 reference"), tf32(False):
+        with stages("capture", f"the VAE decoder's {target.reference_dtype} reference"), tf32(False):
             capture.decode_pending(reference, decoder, vae)
 
     captured_vae = None
-    if pending and target.dtype == "float32":
+    if pending and target.dtype == target.reference_dtype:
         decode_reference(getattr(pipe, decoder.attribute))
     elif pending:
         captured_vae = copy.deepcopy(getattr(pipe, decoder.attribute))
@@ -295,11 +297,11 @@ def _build_into(target: Target, out: Path, allow_drift: bool, stages: Stages) ->
     }
     for entry in components.values():  # just hashed: this machine's first load need not read them again
         mark_verified(out / entry["weights"], manifest["files"][entry["weights"]]["sha256"])
-    with stages("validate", "compiled vs eager float32 on the captured inputs"):
+    with stages("validate", f"compiled vs eager {target.reference_dtype} on the captured inputs"):
         loaded = load_artifact(out, manifest, device)
         validate_artifact(out, manifest, loaded, reference, points, plans, allow_drift)
     if loop is not None:
-        with stages("validate", f"a {loop.steps}-step denoising loop, compiled vs eager float32"):
+        with stages("validate", f"a {loop.steps}-step denoising loop, compiled vs eager {target.reference_dtype}"):
             manifest["validation"] = {"loop": validate_loop(manifest, loaded, pipe, spec, loop, device, allow_drift,
                                                             target.base_dir)}
         del pipe

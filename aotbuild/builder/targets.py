@@ -38,7 +38,7 @@ DEVICES = ("cpu", "cuda")
 TOP_LEVEL_KEYS = (
     "name", "description", "pipeline", "source", "revision", "seed", "device", "gpu", "cpu", "dtype",
     "guidance_scale", "guidance", "shapes", "dynamic", "components", "optimize", "inductor", "cuda_graphs", "compile",
-    "controlnet", "ip_adapter", "image_encoder", "validation_steps", "call",
+    "controlnet", "ip_adapter", "image_encoder", "validation_steps", "reference_dtype", "call",
 )
 # How a denoiser is compiled: as one model, or each repeated block once for all its instances (the
 # code between blocks running eager).
@@ -139,6 +139,10 @@ class Target:
     # The denoising loop the build runs eager float32 and compiled, whose final latents it compares
     # (`capturing.Loop`): fewer steps for a model whose float32 call takes minutes on the build machine.
     validation_steps: int = LOOP_STEPS
+    # The dtype of the eager pipeline the build captures and compares the compiled one against:
+    # float32, or the target's own dtype where a float32 copy of the model would not fit the build
+    # machine (a 20B model in float32 is 80 GB) or sets its peak (`docs/targets.md`).
+    reference_dtype: str = "float32"
     base_dir: Path = field(default=Path("."), compare=False)
 
     @property
@@ -167,6 +171,8 @@ class Target:
                 del data[key]
         if self.validation_steps == LOOP_STEPS:  # likewise
             del data["validation_steps"]
+        if self.reference_dtype == "float32":  # likewise
+            del data["reference_dtype"]
         if not self.call:  # likewise
             del data["call"]
         return data
@@ -370,6 +376,12 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
     if validation_steps < 1:
         raise TargetError(f"{origin}: key 'validation_steps' = {validation_steps}: the build's denoising loop "
                           f"takes at least 1 step", hint=f"the default is {LOOP_STEPS}")
+    reference_dtype = raw.get("reference_dtype", "float32")
+    if reference_dtype not in ("float32", dtype):
+        raise TargetError(f"{origin}: key 'reference_dtype' = {reference_dtype!r}: the build compares the compiled "
+                          f"pipeline with the eager one in float32 or in the target's dtype ({dtype})",
+                          hint=f"reference_dtype = \"{dtype}\" halves the build's memory for the model; "
+                               f"leave it out for float32")
 
     try:
         stride = pixel_stride(spec, source, base_dir)
@@ -433,7 +445,7 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         dynamic_images=dynamic_images,
         optimize=dict(optimize), inductor=dict(inductor), cuda_graphs=cuda_graphs, compile_mode=compile_mode,
         controlnet=controlnet, ip_adapter=ip_adapter, image_encoder=image_encoder,
-        validation_steps=validation_steps, call=call, base_dir=base_dir,
+        validation_steps=validation_steps, reference_dtype=reference_dtype, call=call, base_dir=base_dir,
     )
 
 

@@ -1,5 +1,6 @@
-"""Validation: every compiled variant, loaded as the runtime loads it, against the eager float32
-reference on the captured calls (and replayed as a CUDA graph where the target asks)."""
+"""Validation: every compiled variant, loaded as the runtime loads it, against the eager reference
+(float32, or the target's `reference_dtype`) on the captured calls (and replayed as a CUDA graph
+where the target asks)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def load_artifact(out: Path, manifest: dict[str, Any], device: torch.device) -> 
     return modules
 
 
+def reference_dtype(manifest: dict[str, Any]) -> str:
+    """The dtype of the eager pipeline the build compared with: float32 unless the target said its own."""
+    return manifest["target"].get("reference_dtype", "float32")
+
+
 def loaded_components(modules: dict[str, Any]) -> dict[str, CompiledComponent]:
     """A load's compiled components by component name: a VAE stand-in's parts by theirs."""
     found = {}
@@ -51,8 +57,8 @@ def loaded_components(modules: dict[str, Any]) -> dict[str, CompiledComponent]:
 def validate_artifact(out: Path, manifest: dict[str, Any], modules: dict[str, Any], reference: dict,
                       points: dict[str, CapturePoint], plans: dict[str, list[VariantPlan]],
                       allow_drift: bool) -> None:
-    """Run each compiled variant of the loaded artifact (`load_artifact`'s modules) on the float32
-    captured inputs (cast to the variant's dtypes) and compare with the eager float32 output at
+    """Run each compiled variant of the loaded artifact (`load_artifact`'s modules) on the reference's
+    captured inputs (cast to the variant's dtypes) and compare with the eager reference's output at
     every point it serves: a bucket with 1 image and its batch (and with and without guidance),
     the dynamic model at the range's corners and its base point, a tile model at the smallest and
     largest tiles. Records each variant's errors in `manifest`."""
@@ -76,7 +82,8 @@ def validate_artifact(out: Path, manifest: dict[str, Any], modules: dict[str, An
                     errors[str(points[point])] = output_errors(variant.run(leaves), call.output)
             worst = {key: max((e[key] for e in errors.values()), key=_nan_first) for key in ERROR_KEYS}
             variant_entry["numerics"] = {
-                **worst, "tolerance": tolerance, "reference": "eager float32, unoptimized, every output",
+                **worst, "tolerance": tolerance, "reference": f"eager {reference_dtype(manifest)}, unoptimized, "
+                                                               f"every output",
                 "checked_at": list(errors),
             }
             if problem := beyond_tolerance(worst, tolerance):
@@ -94,7 +101,7 @@ def validate_artifact(out: Path, manifest: dict[str, Any], modules: dict[str, An
 def validate_loop(manifest: dict[str, Any], modules: dict[str, Any], pipe: Any, spec: PipelineSpec, loop: Loop,
                   device: torch.device, allow_drift: bool, base_dir: Path = Path(".")) -> dict[str, Any]:
     """The capture's short denoising loop again, in the pipeline with the artifact's `modules`
-    swapped in (`load_artifact`'s), against the eager float32 loop's final latents: an error every
+    swapped in (`load_artifact`'s), against the eager reference loop's final latents: an error every
     single call keeps within tolerance can grow over the steps, and fails the build here. Returns
     what the manifest records of it (`validation.loop`). `base_dir`: the target's folder, where a
     local file it names is looked for."""
@@ -116,9 +123,11 @@ def validate_loop(manifest: dict[str, Any], modules: dict[str, Any], pipe: Any, 
     tolerance = max(v["numerics"]["tolerance"] for name, entry in manifest["components"].items()
                     if spec.component(name).denoiser for v in entry["variants"])
     record = {"steps": loop.steps, "at": loop.point, "compared": "final latents" if loop.output_type == "latent"
-              else "final images", **errors, "tolerance": tolerance, "reference": "eager float32, unoptimized"}
+              else "final images", **errors, "tolerance": tolerance,
+              "reference": f"eager {reference_dtype(manifest)}, unoptimized"}
     if (problem := beyond_tolerance(errors, tolerance)) and not allow_drift:
-        raise NumericsError(f"a {loop.steps}-step denoising loop at {loop.point} drifts from eager float32: its "
+        raise NumericsError(f"a {loop.steps}-step denoising loop at {loop.point} drifts from eager "
+                            f"{reference_dtype(manifest)}: its "
                             f"{record['compared']}' {problem} (every single call was within it: the error grows "
                             f"over the steps)", hint="inspect the recipe, or accept with --allow-numerics-drift")
     return record
@@ -165,7 +174,7 @@ ERROR_KEYS = ("max_abs_error", "max_rel_error", "rel_l2_error")
 
 
 def output_errors(result: Any, expected: Any) -> dict[str, float]:
-    """How far a model's outputs are from the eager float32 ones, the worst over every output (a
+    """How far a model's outputs are from the eager reference's, the worst over every output (a
     tuple's, a list's): the largest absolute difference, that over the largest absolute value of
     the eager output (an error in a few values), and the relative L2 norm of the difference (an
     error spread over all of them). The build's numerics, and the bench's."""
