@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +18,10 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import aotbuild
+from aotbuild.builder import build
 from aotbuild.builder.targets import ShapeBucket
 from aotbuild.cli import main
-from aotbuild.errors import CorruptArtifactError
+from aotbuild.errors import CorruptArtifactError, SourceError
 from aotbuild.generation.backends import prepare as prepare_backend
 from aotbuild.runtime.prepared import OPERATORS, PreparedConstants, prepare, resolve, sources
 
@@ -148,6 +150,32 @@ def test_the_bf16_recipe_matches_its_eager_recipe_and_switches_loras_exactly(bui
     np.testing.assert_allclose(both, generate(eager, BUCKET), atol=BF16_ATOL, rtol=0)
     compiled.set_adapters("A")
     _switches_back_exactly(compiled, generate(compiled, BUCKET), base)
+
+
+def test_bf16_on_a_cpu_without_bf16_kernels_is_said_to_be_slow(built_bf16_prepack, bf16_prepack_target, tmp_path,
+                                                                monkeypatch):
+    """Correct, but tens of times slower than float32 (an AVX2 EPYC: a 1024x1024 bf16 matmul at
+    0.8 GFLOP/s, 68 in float32): said at load and at build, before anything is read; nothing on
+    a CPU whose oneDNN computes bf16."""
+    from aotbuild.runtime import load
+    from aotbuild.runtime.load import SlowPrecisionWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        aotbuild.runtime.load_components(built_bf16_prepack.folder)
+    said = [w for w in caught if issubclass(w.category, SlowPrecisionWarning)]
+    assert len(said) == (0 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 1), [str(w.message) for w in said]
+    monkeypatch.setattr(load, "onednn_runs", lambda dtype: dtype != "bfloat16")
+    cpu = torch.backends.cpu.get_cpu_capability()
+    with pytest.warns(SlowPrecisionWarning, match=re.escape(
+            "aotbuild: this artifact runs bfloat16 on a CPU whose matrix products and convolutions have no bfloat16 "
+            f"kernel (AVX-512 or AMX has them; this CPU: {cpu}): correct, but tens of times slower than float32 here. "
+            "Build a float32 target for CPUs like this one")):
+        aotbuild.runtime.load_components(built_bf16_prepack.folder)
+    nowhere = dataclasses.replace(bf16_prepack_target, source=str(tmp_path / "nowhere"))
+    with pytest.warns(SlowPrecisionWarning, match=f"target {nowhere.name} runs bfloat16 on a CPU whose"), \
+            pytest.raises(SourceError):
+        build(nowhere, tmp_path / "artifacts")
 
 
 @pytest.mark.slow

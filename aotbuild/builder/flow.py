@@ -29,6 +29,7 @@ import torch
 from ..errors import AotbuildError, BuildError
 from ..runtime import sources
 from ..runtime.cache import check_artifact_files, mark_verified
+from ..runtime.load import warn_slow_precision
 from ..runtime.variant import tf32
 from ..spec.manifest import (
     DTYPES,
@@ -107,6 +108,8 @@ def build(target: Target, artifacts_dir: str | os.PathLike = "artifacts", *, for
         progress("fresh", f"{folder} is up to date (use --force to rebuild)")
         return BuildResult(folder, read_manifest(folder), skipped=True)
     check_device(target)
+    if target.device == "cpu":  # a CPU artifact runs on CPUs like this one
+        warn_slow_precision([target.dtype], f"target {target.name}")
 
     try:
         staging_root = artifacts_dir / STAGING_DIRNAME

@@ -4,6 +4,7 @@ where the target asks)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,12 @@ def load_artifact(out: Path, manifest: dict[str, Any], device: torch.device) -> 
     till the build ends: torch 2.13 never deletes its handle to a user-managed constant (fixed
     upstream by pytorch#194480). Returns {pipeline attribute: module}, as `load_components` does."""
     from ..runtime import load_components
+    from ..runtime.load import SlowPrecisionWarning
 
     write_manifest(out, manifest)
-    _, modules = load_components(out, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowPrecisionWarning)  # the build said so as it began
+        _, modules = load_components(out, device=device)
     return modules
 
 

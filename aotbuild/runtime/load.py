@@ -33,7 +33,7 @@ from ..spec.manifest import (
     validated_with_tf32,
 )
 from ..spec.pipelines import MULTI_CONTROLNETS, ComponentSpec, PipelineSpec, pipeline_spec, runtime_config_keys
-from ..spec.private_apis import accept_compiled_class
+from ..spec.private_apis import accept_compiled_class, onednn_runs
 from .artifacts import artifact_folder
 from .attention import load_library
 from .autoencoder import CompiledAutoencoderBase, autoencoder_class
@@ -195,6 +195,8 @@ def load_components(folder: str | os.PathLike, *, device: str | torch.device | N
     if not manifest.get("pipeline", {}).get("curated", True):
         warnings.warn(f"aotbuild: {spec.class_name} was {manifest['pipeline']['note']}", UncuratedPipelineWarning,
                       stacklevel=3)
+    if device.type == "cpu":
+        warn_slow_precision([entry["dtype"] for entry in manifest["components"].values()], "this artifact", 4)
     with open_artifact_files(folder, manifest, verify=verify) as files:
         library = manifest["optimizations"]["passes"].get("sdpa", {}).get("library")
         if library in manifest["files"]:  # optimize.sdpa = "aotbuild": the kernel its compiled code calls
@@ -297,6 +299,23 @@ def _not_handed_yet(spec: ComponentSpec, module: torch.nn.Module, names: Iterabl
 
 class UncuratedPipelineWarning(UserWarning):
     """The artifact's pipeline class has no aotbuild entry: it was built by capture."""
+
+
+class SlowPrecisionWarning(UserWarning):
+    """A CPU model in bf16 or fp16 on a CPU whose matrix products have no kernel in that dtype."""
+
+
+def warn_slow_precision(dtypes: Iterable[str], doing: str, stacklevel: int = 3) -> None:
+    """Say, in a warning, that `doing` (a build, a load) runs models in a half precision this CPU has
+    no fast matrix products for: correct, and tens of times slower than float32."""
+    slow = sorted({dtype for dtype in dtypes if not onednn_runs(dtype)})
+    if slow:
+        needs = {"bfloat16": "AVX-512 or AMX", "float16": "AVX512-FP16 or AMX-FP16"}
+        warnings.warn(f"aotbuild: {doing} runs {' and '.join(slow)} on a CPU whose matrix products and convolutions "
+                      f"have no {' or '.join(slow)} kernel ({'; '.join(needs[d] for d in slow)} has them; this "
+                      f"CPU: {torch.backends.cpu.get_cpu_capability()}): correct, but tens of times slower than "
+                      f"float32 here. Build a float32 target for CPUs like this one", SlowPrecisionWarning,
+                      stacklevel=stacklevel)
 
 
 WEIGHTS_CHOICES = ("pipeline", "artifact")
