@@ -2,7 +2,7 @@
 compared with eager on the call diffusers' tests make: the table in docs/pipeline-sweep.md.
 
     python scripts/sweep.py run --tests DIFFUSERS/tests [--only CLASS,...] [--out sweep]
-    python scripts/sweep.py table [--out sweep] > docs/pipeline-sweep.md
+    python scripts/sweep.py table [--out sweep]      # rewrites docs/pipeline-sweep.md
 
 `--tests` is the `tests/` folder of diffusers' source at the installed release (`git clone`, or a
 snapshot); its modules import `parameterized` and `requests-mock` (`pip install` them). For each
@@ -17,6 +17,9 @@ pipeline class the installed diffusers exports whose `__init__` takes a `unet`, 
 3. the target is read (a refusal there is the row's reason), built, and the compiled pipeline
    and the eager one (the same seeded weights) run the test's call; the outputs are compared.
 A result per class goes to `OUT/results/CLASS.json`; `run` skips the classes done (`--redo` not).
+`table` rewrites the table it is given (`--base`, docs/pipeline-sweep.md by default: the record of
+the sweeps before), each result of OUT in its row, so that a sweep of a few classes (`--only`)
+updates their rows and keeps the rest.
 A benchmark-like job (about a minute per class on 2 cores), not part of `make test`.
 """
 
@@ -377,11 +380,38 @@ def one(args: argparse.Namespace) -> None:
     (args.out / "results" / f"{args.pipeline}.json").write_text(json.dumps(row, indent=1))
 
 
+def table_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """The rows of a table `table` printed, as results: {class: {"result", "reason", "build_s"}}
+    (less the findings `table` adds to a reason), for the classes it says were swept."""
+    keys = {text: key for key, text in RESULTS.items()}
+    rows = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) != 5 or not cells[0].startswith("`") or cells[2] not in keys:
+            continue
+        class_name, reason = cells[0].strip("`"), cells[3].replace("\\|", "|")
+        reason = reason.removesuffix(FINDINGS.get(class_name, "")).strip()
+        rows[class_name] = {"result": keys[cells[2]], **({"reason": reason} if reason else {}),
+                            **({"build_s": float(cells[4])} if cells[4] else {})}
+    return rows
+
+
 def table(args: argparse.Namespace) -> None:
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_table(args)
+    args.base.write_text(printed.getvalue())
+
+
+def print_table(args: argparse.Namespace) -> None:
     import diffusers
 
     classes = pipeline_classes()
-    rows = {path.stem: json.loads(path.read_text()) for path in (args.out / "results").glob("*.json")}
+    rows = table_rows(args.base) | {path.stem: json.loads(path.read_text())
+                                    for path in (args.out / "results").glob("*.json")}
     counts = {key: sum(1 for c in classes if rows.get(c, {}).get("result") == key) for key in RESULTS}
     swept = sum(counts.values())
     print("# Every diffusers pipeline, built by capture\n")
@@ -418,6 +448,8 @@ def main() -> None:
     commands.choices["run"].add_argument("--redo", action="store_true", help="sweep the classes done again")
     commands.choices["run"].add_argument("--timeout", type=float, default=1200, help="seconds per class")
     commands.choices["one"].add_argument("--pipeline", required=True)
+    commands.choices["table"].add_argument("--base", type=Path, default=ROOT / "docs" / "pipeline-sweep.md",
+                                           help="the table whose rows the results update (default: the docs')")
     args = parser.parse_args()
     {"run": run, "one": one, "table": table}[args.command](args)
 

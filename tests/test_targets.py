@@ -348,6 +348,9 @@ def test_what_an_entry_says_of_its_pipeline_class_is_what_the_class_says():
                           r"`num_frames`"),  # it takes num_frames, and needs a video
     ("StableDiffusionXLPAGPipeline", r"guides with perturbed attention \(PAG\): its call swaps the denoiser's "
                                      r"attention for part of each batch"),
+    ("Flux2KleinKVPipeline", r"sets its transformer's attention processors \(its own attention, in place of the "
+                             r"model's\): a compiled transformer's attention is fixed when it is built"),  # a KV cache
+    ("StableDiffusionSAGPipeline", r"sets its unet's attention processors"),
     ("KandinskyV22Pipeline", r"takes no `prompt` \(its call starts from `image_embeds`\)"),
     ("DiTPipeline", r"takes no `prompt` \(its call starts from `class_labels`\)"),
     ("StableDiffusionLatentUpscalePipeline", r"upscales the image it is given \(its output's pixels are a multiple "
