@@ -822,13 +822,15 @@ def resized_image(class_name: str, height: int, width: int) -> tuple[int, int] |
 
 def requires_image(cls: type) -> bool:
     """Whether a pipeline's call cannot run without an image (Wan's image-to-video: the video starts
-    from it, resized to the call's size; Qwen-Image-Edit's edit)."""
+    from it, resized to the call's size; Qwen-Image-Edit's edit; a T2I-Adapter's condition)."""
     if cls.__name__ in SIZED_BY_IMAGE:
         return True
     parameter = inspect.signature(cls.__call__).parameters.get("image")
-    # An image-to-video pipeline whose signature defaults its image to None (LTX-Video's) needs one too.
-    image_to_video = any(name in cls.__name__ for name in ("ImageToVideo", "I2V", "Image2Video"))
-    return parameter is not None and (parameter.default is inspect.Parameter.empty or image_to_video)
+    # An image-to-video pipeline whose signature defaults its image to None (LTX-Video's) needs one
+    # too, as does a pipeline whose `adapter` reads it (T2I-Adapter's, at the call's size).
+    follows = any(name in cls.__name__ for name in ("ImageToVideo", "I2V", "Image2Video")) \
+        or "adapter" in inspect.signature(cls.__init__).parameters
+    return parameter is not None and (parameter.default is inspect.Parameter.empty or follows)
 
 
 def starts_from_image(cls: type) -> bool:
