@@ -257,8 +257,13 @@ def capture_inputs(
     first = 2 if getattr(pipe.scheduler, "config", {}).get("shift_terminal") else 1
     for steps in (s for s in CAPTURE_STEPS if s >= first):
         counted: dict[str, Calls] = {}
-        with recording(pipe, specs, counted) as calls, timed(timed_methods or {}) as seconds:
-            run_pipeline_to(pipe, arguments, steps, output_type)
+        try:
+            with recording(pipe, specs, counted) as calls, timed(timed_methods or {}) as seconds:
+                run_pipeline_to(pipe, arguments, steps, output_type)
+        except BuildError:
+            if steps != 1:  # a schedule with no 1-step form (Mochi's divides by zero) runs at 2; else refused
+                raise
+            continue
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
             break
@@ -324,13 +329,15 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
         try:
             result = pipe(**arguments, num_inference_steps=steps, output_type=output_type,
                           generator=torch.Generator("cpu").manual_seed(0))
-        except (ValueError, TypeError) as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in
-            # 32s; AnimateDiff's ControlNet pipeline: its conditioning frames, which a capture does not pass)
-            if isinstance(error, TypeError) and not _raised_by(type(pipe), error):
+        except Exception as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s;
+            # AnimateDiff's ControlNet pipeline: its conditioning frames, which a capture does not pass),
+            # or its code failing on the call (Mochi's schedule divides by zero at 1 step)
+            if not (isinstance(error, ValueError) or _raised_by(type(pipe), error)):
                 raise  # not the pipeline's refusal: a defect, with its traceback
             size = {k: v for k, v in arguments.items() if k in ("height", "width", FRAMES)}
+            said = str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
             raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
-                             f"({', '.join(f'{k}={v}' for k, v in size.items())}): {error}") from error
+                             f"({', '.join(f'{k}={v}' for k, v in size.items())}): {said}") from error
     return result.frames if hasattr(result, "frames") else result.images
 
 

@@ -299,6 +299,14 @@ def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProg
     return compiled, folded, time.perf_counter() - start
 
 
+def _recorded(value: Any) -> Any:
+    """An attribute the pipeline reads of a model, as the manifest keeps it: plain data as is, a
+    list of blocks as their number (`runtime.component.CompiledBlocks`); _ABSENT: not kept."""
+    if isinstance(value, torch.nn.ModuleList):
+        return {"blocks": len(value)}
+    return value if value is not _ABSENT and plain_attribute(value) else _ABSENT
+
+
 def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, compiled: dict[str, list],
                       compile_s: float, constants: dict[str, torch.Tensor], layouts: dict[str, dict],
                       variants: list[dict[str, Any]]) -> dict[str, Any]:
@@ -313,7 +321,7 @@ def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, c
                    if k != "_name_or_path"},
         "attributes": {a: value for a in spec.read_attributes  # that the model has (Chroma's
                        # `encoder_hid_proj.num_ip_adapters` where `encoder_hid_proj` is None: not)
-                       if (value := _get_dotted(module, a, _ABSENT)) is not _ABSENT and plain_attribute(value)},
+                       if (value := _recorded(_get_dotted(module, a, _ABSENT))) is not _ABSENT},
         **({"ip_adapter": form} if (form := loaded_form(module)) is not None else {}),
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},

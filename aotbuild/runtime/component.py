@@ -9,7 +9,7 @@ import importlib
 import inspect
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -107,7 +107,8 @@ class CompiledComponent(StandIn):
         self._ip = IpAdapterState(name, form, entry["config"], self._dtype, self._device, weights, self._rebind,
                                   self._zeros.get(embeds_path(entry["config"]["_class_name"]), {})) if form else None
         for dotted, value in entry.get("attributes", {}).items():
-            _set_dotted(self, dotted, value)
+            blocks = isinstance(value, dict)  # a list of blocks, counted (`builder.packaging._recorded`)
+            _set_dotted(self, dotted, CompiledBlocks(name, dotted, value["blocks"]) if blocks else value)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -687,6 +688,24 @@ def key_differences(component: str, state_dict: Mapping[str, torch.Tensor], eage
         raise WeightsMismatchError(f"{component}.load_state_dict(strict=True): {'; '.join(problems)}; nothing was "
                                    f"loaded")
     return missing, unexpected
+
+
+class CompiledBlocks(Sequence):
+    """A compiled model's repeated blocks as its pipeline reads them (Bria FIBO sizes its text
+    layers by `len(transformer.transformer_blocks)`): counted, not reached; they are in the
+    compiled code."""
+
+    def __init__(self, component: str, name: str, count: int) -> None:
+        self._component, self._name, self._count = component, name, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        raise MissingAttributeError(self._component, f"{self._name}[{index}]",
+                                    message=f"{self._component} is compiled by aotbuild: its {self._name} are in the "
+                                            f"compiled code, and the stand-in keeps only their number "
+                                            f"({self._count})")
 
 
 def _set_dotted(root: Any, dotted: str, value: Any) -> None:
