@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import diffusers
@@ -154,3 +155,36 @@ def test_a_targets_call_arguments_reach_every_capture():
         extras = call_extras(pipe, spec, dataclasses.replace(target, call=call), 1, 64, 64)
         calls = capture_inputs(pipe, transformer, batch=1, height=64, width=64, guidance_scale=4.5, extras=extras)
         assert calls["transformer"].args[0].shape[-2:] == latents
+
+
+def test_a_schedule_with_no_1_step_form_is_captured_at_2_and_a_failing_call_is_refused_in_words(tiny_target, specs):
+    """The capture runs 1 step where it can. Mochi's schedule divides by zero at 1 step (its
+    `linear_quadratic_schedule`): the capture takes 2. A pipeline whose own code fails on every
+    run is refused with its error, not a traceback."""
+    from aotbuild.errors import BuildError
+
+    base = type(eager_pipeline(tiny_target))
+
+    class NoSingleStep(base):
+        @functools.wraps(base.__call__)  # its signature: the capture passes what the pipeline takes
+        def __call__(self, *args, num_inference_steps=50, **kwargs):
+            if num_inference_steps == 1:
+                return 1 / (num_inference_steps // 2)  # Mochi's linear steps: num_steps // 2
+            return super().__call__(*args, num_inference_steps=num_inference_steps, **kwargs)
+
+    class Failing(base):
+        @functools.wraps(base.__call__)
+        def __call__(self, *args, **kwargs):
+            return ()[1]  # Krea 2's text layers past its text encoder's
+
+    for cls in (NoSingleStep, Failing):
+        pipe = eager_pipeline(tiny_target)
+        pipe.__class__ = cls
+        timings = {}
+        if cls is NoSingleStep:
+            calls = capture_inputs(pipe, specs[:1], batch=1, height=64, width=96, guidance_scale=5.0, timings=timings)
+            assert timings["steps"] == 2 and calls["unet"].args[0].shape == (2, 4, 32, 48)
+        else:
+            with pytest.raises(BuildError, match=r"^Failing refuses the call the target asks for \(height=64, "
+                                                 r"width=64\): IndexError: tuple index out of range$"):
+                capture_inputs(pipe, specs[:1], batch=1, height=64, width=64, guidance_scale=5.0)
