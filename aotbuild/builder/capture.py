@@ -131,7 +131,11 @@ def recording(pipe: Any, specs: list[ComponentSpec],
                 if len(seen.first_two) < 2:
                     seen.first_two.append(_structure(args, kwargs))
             last = spec.part == "decoder" and name not in calls and calls.keys() >= by_name.keys() - {name}
+            # The call as made, in containers of its own: a model may empty a list it is given (the
+            # UNet pops a T2I-Adapter's `down_intrablock_additional_residuals` block by block).
+            args_made, kwargs_made = _containers_copied((args, kwargs))
             output = _zeros_like_call(original, args, kwargs) if last else original(*args, **kwargs)
+            args, kwargs = args_made, kwargs_made
             if name not in calls:
                 call_args, call_kwargs = spec.call_inputs(args, kwargs)
                 reference = output
@@ -140,7 +144,8 @@ def recording(pipe: Any, specs: list[ComponentSpec],
                     # scale 1, the call at img2img's 0.8; the stand-in scales after it): its reference
                     # is that call's output.
                     with torch.no_grad():
-                        reference = original(*call_args, **call_kwargs)
+                        again_args, again_kwargs = _containers_copied((call_args, call_kwargs))
+                        reference = original(*again_args, **again_kwargs)
                 sample = (PendingOutput(*detached((args, kwargs))) if last
                           else detached(_recorded_output(spec, reference)))
                 calls[name] = CapturedCall(tuple(detached(call_args)), dict(detached(call_kwargs)), sample)
@@ -150,6 +155,11 @@ def recording(pipe: Any, specs: list[ComponentSpec],
 
     with patched_methods({spec.name: (getattr(pipe, spec.attribute), spec.method) for spec in specs}, recorder):
         yield calls
+
+
+def _containers_copied(tree: Any) -> Any:
+    """`tree` in new lists, tuples and dicts, the same tensors and values in them."""
+    return pytree.tree_map(lambda leaf: leaf, tree)
 
 
 def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
