@@ -188,3 +188,33 @@ def test_a_schedule_with_no_1_step_form_is_captured_at_2_and_a_failing_call_is_r
             with pytest.raises(BuildError, match=r"^Failing refuses the call the target asks for \(height=64, "
                                                  r"width=64\): IndexError: tuple index out of range$"):
                 capture_inputs(pipe, specs[:1], batch=1, height=64, width=64, guidance_scale=5.0)
+
+
+def test_a_list_the_model_empties_is_recorded_as_the_pipeline_made_it():
+    """The UNet pops a T2I-Adapter's residuals off the list it is given, block by block: the capture
+    records the list as the pipeline made it, so the compiled UNet adds them as eager does (the
+    record was empty before, and the build's validation caught it: relative error 0.19)."""
+    sd = eager_pipeline(load_target(TARGETS / "cpu-tiny-sd15.toml"))
+    torch.manual_seed(0)
+    adapter = diffusers.T2IAdapter(in_channels=3, channels=[32, 64], num_res_blocks=1, downscale_factor=2)
+    unet = diffusers.UNet2DConditionModel(  # diffusers' adapter test's: its residuals fit these blocks
+        block_out_channels=(32, 64), layers_per_block=1, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=4, norm_num_groups=8).eval()
+    takes = inspect.signature(diffusers.StableDiffusionAdapterPipeline.__init__).parameters
+    pipe = diffusers.StableDiffusionAdapterPipeline(adapter=adapter, **{k: v for k, v in sd.components.items()
+                                                                        if k in takes} | {"unet": unet})
+    pipe.set_progress_bar_config(disable=True)
+    spec = pipeline_spec("StableDiffusionAdapterPipeline")
+    calls = capture_inputs(pipe, [spec.component("unet")], batch=1, height=64, width=64, guidance_scale=5.0,
+                           extras=spec.call_extras(1, 64, 64))
+    call = calls["unet"]
+    residuals = call.kwargs["down_intrablock_additional_residuals"]
+    assert [tuple(r.shape) for r in residuals] == [(2, 32, 32, 32), (2, 64, 16, 16)]
+    with torch.no_grad():
+        again = unet(*call.args, **{**call.kwargs, "down_intrablock_additional_residuals": list(residuals)})
+        without = unet(*call.args, **{k: v for k, v in call.kwargs.items()
+                                      if k != "down_intrablock_additional_residuals"})
+    torch.testing.assert_close(again[0], call.output, rtol=0, atol=0)
+    assert not torch.allclose(without[0], call.output, atol=1e-3)  # the residuals count
+    assert len(residuals) == 2  # the record is not the list the UNet emptied
