@@ -89,3 +89,31 @@ def test_loras_and_other_weights_match_eager(built_pipeline, tmp_path):
     expected = generate(finetuned, bucket)
     aotbuild.apply(finetuned, built.folder)
     np.testing.assert_allclose(generate(finetuned, bucket), expected, atol=1e-4, rtol=0)
+
+
+def test_the_blocks_a_pipeline_counts_are_kept_as_their_number():
+    """Bria FIBO sizes its text layers by `len(transformer.transformer_blocks) + len(...)`: the
+    manifest keeps each list of blocks the pipeline reads by its number, and the stand-in answers
+    `len` with it; reaching a block says it is compiled in."""
+    import dataclasses
+
+    from aotbuild.builder.packaging import _block_counts
+    from aotbuild.errors import MissingAttributeError
+    from aotbuild.runtime.component import CompiledBlocks
+    from aotbuild.spec.pipelines import TRANSFORMER
+
+    spec = dataclasses.replace(TRANSFORMER, read_attributes=("inner_dim", "single_transformer_blocks",
+                                                             "transformer_blocks"))
+    model = torch.nn.Module()
+    model.inner_dim = 8
+    model.transformer_blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+    model.single_transformer_blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(5))
+    counts = _block_counts(spec, model)
+    assert counts == {"single_transformer_blocks": 5, "transformer_blocks": 3}
+    blocks = CompiledBlocks("transformer", "transformer_blocks", counts["transformer_blocks"])
+    assert len(blocks) == 3 and bool(blocks)
+    for reach in (lambda: blocks[0], lambda: list(blocks)):
+        with pytest.raises(MissingAttributeError, match=r"^transformer is compiled by aotbuild: its "
+                                                        r"transformer_blocks are in the compiled code, and the "
+                                                        r"stand-in keeps only their number \(3\)"):
+            reach()

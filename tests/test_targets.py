@@ -111,7 +111,9 @@ BAD = [
     ('validation_steps = 0\n' + GOOD, r"'validation_steps' = 0: the build's denoising loop takes at least 1 step"),
     ('validation_steps = 1.5\n' + GOOD, r"'validation_steps' must be a whole number of denoising steps"),
     ('reference_dtype = "bfloat16"\n' + GOOD, r"'reference_dtype' = 'bfloat16': the build compares the compiled "
-     r"pipeline with the eager one in float32 or in the target's dtype \(float32\)"),
+     r"pipeline with the eager one in float32, or in bfloat16 for a bfloat16 target"),
+    ('dtype = "float16"\nreference_dtype = "float16"\n' + GOOD,
+     r"'reference_dtype' = 'float16': the build compares"),
     ('colour = "red"\n' + GOOD, r"unknown key 'colour'; allowed: name, description"),
     (GOOD.replace('pipeline = "StableDiffusionXLPipeline"\n', ""), r"missing required key 'pipeline'"),
     (GOOD.replace("height = 64", "height = 66"), r"'shapes\[0\].height' = 66 is not a multiple of 4"),

@@ -271,8 +271,8 @@ def capture_inputs(
             with recording(pipe, specs, counted) as calls, timed(timed_methods or {}) as seconds:
                 run_pipeline_to(pipe, arguments, steps, output_type)
         except BuildError:
-            if steps != 1:  # a schedule with no 1-step form (Mochi's divides by zero) runs at 2; else refused
-                raise
+            if steps != 1 or counted:  # refused before any model was called, at 1 step: a schedule with no
+                raise  # 1-step form (Mochi's divides by zero) runs at 2
             continue
         missing = [s.name for s in specs if s.name not in calls]
         if not missing:
@@ -339,9 +339,10 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
         try:
             result = pipe(**arguments, num_inference_steps=steps, output_type=output_type,
                           generator=torch.Generator("cpu").manual_seed(0))
-        except Exception as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s;
+        except REFUSALS as error:  # the pipeline's own input checks (e.g. LTX-Video: sizes in 32s;
             # AnimateDiff's ControlNet pipeline: its conditioning frames, which a capture does not pass),
-            # or its code failing on the call (Mochi's schedule divides by zero at 1 step)
+            # or its code failing on the call (Mochi's schedule divides by zero at 1 step). Not torch's
+            # errors (a RuntimeError: a placement, a dtype, memory): those are defects, with their traceback
             if not (isinstance(error, ValueError) or _raised_by(type(pipe), error)):
                 raise  # not the pipeline's refusal: a defect, with its traceback
             size = {k: v for k, v in arguments.items() if k in ("height", "width", FRAMES)}
@@ -349,6 +350,10 @@ def run_pipeline(pipe: Any, arguments: dict[str, Any], steps: int, output_type: 
             raise BuildError(f"{type(pipe).__name__} refuses the call the target asks for "
                              f"({', '.join(f'{k}={v}' for k, v in size.items())}): {said}") from error
     return result.frames if hasattr(result, "frames") else result.images
+
+
+# What a pipeline's own code raises on a call it does not take.
+REFUSALS = (ValueError, TypeError, ArithmeticError, LookupError, AttributeError)
 
 
 def _raised_by(pipeline_class: type, error: BaseException) -> bool:

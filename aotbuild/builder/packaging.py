@@ -299,12 +299,12 @@ def compile_all(ctx: BuildContext, programs: dict[str, torch.export.ExportedProg
     return compiled, folded, time.perf_counter() - start
 
 
-def _recorded(value: Any) -> Any:
-    """An attribute the pipeline reads of a model, as the manifest keeps it: plain data as is, a
-    list of blocks as their number (`runtime.component.CompiledBlocks`); _ABSENT: not kept."""
-    if isinstance(value, torch.nn.ModuleList):
-        return {"blocks": len(value)}
-    return value if value is not _ABSENT and plain_attribute(value) else _ABSENT
+def _block_counts(spec: ComponentSpec, module: torch.nn.Module) -> dict[str, int]:
+    """The lists of blocks the pipeline reads of a model, by their number (Bria FIBO counts its
+    transformer's): `runtime.component.CompiledBlocks`. A key of their own, which a runtime that
+    does not know it leaves out (the pipeline then says the attribute is missing)."""
+    return {a: len(value) for a in spec.read_attributes
+            if isinstance(value := _get_dotted(module, a, None), torch.nn.ModuleList)}
 
 
 def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, compiled: dict[str, list],
@@ -321,7 +321,8 @@ def component_record(spec: ComponentSpec, module: torch.nn.Module, dtype: str, c
                    if k != "_name_or_path"},
         "attributes": {a: value for a in spec.read_attributes  # that the model has (Chroma's
                        # `encoder_hid_proj.num_ip_adapters` where `encoder_hid_proj` is None: not)
-                       if (value := _recorded(_get_dotted(module, a, _ABSENT))) is not _ABSENT},
+                       if (value := _get_dotted(module, a, _ABSENT)) is not _ABSENT and plain_attribute(value)},
+        **({"block_counts": counts} if (counts := _block_counts(spec, module)) else {}),
         **({"ip_adapter": form} if (form := loaded_form(module)) is not None else {}),
         "constants": {"count": len(constants), "bytes": sum(t.nbytes for t in constants.values()),
                       "layouts": layouts},

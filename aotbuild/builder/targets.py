@@ -377,11 +377,14 @@ def parse_target(raw: dict[str, Any], origin: str, base_dir: Path) -> Target:
         raise TargetError(f"{origin}: key 'validation_steps' = {validation_steps}: the build's denoising loop "
                           f"takes at least 1 step", hint=f"the default is {LOOP_STEPS}")
     reference_dtype = raw.get("reference_dtype", "float32")
-    if reference_dtype not in ("float32", dtype):
+    if reference_dtype not in ("float32", dtype) or reference_dtype == "float16":
+        # float16: a VAE the recipe keeps in float32 (force_upcast) upcasts itself mid-call in an
+        # eager float16 pipeline (SDXL's), so its calls are no reference for the compiled one
         raise TargetError(f"{origin}: key 'reference_dtype' = {reference_dtype!r}: the build compares the compiled "
-                          f"pipeline with the eager one in float32 or in the target's dtype ({dtype})",
-                          hint=f"reference_dtype = \"{dtype}\" halves the build's memory for the model; "
-                               f"leave it out for float32")
+                          f"pipeline with the eager one in float32, or in bfloat16 for a bfloat16 target",
+                          hint="leave it out for float32" + ("" if dtype != "bfloat16" else
+                                                             "; reference_dtype = \"bfloat16\" halves the build's "
+                                                             "memory for the model"))
 
     try:
         stride = pixel_stride(spec, source, base_dir)

@@ -107,8 +107,9 @@ class CompiledComponent(StandIn):
         self._ip = IpAdapterState(name, form, entry["config"], self._dtype, self._device, weights, self._rebind,
                                   self._zeros.get(embeds_path(entry["config"]["_class_name"]), {})) if form else None
         for dotted, value in entry.get("attributes", {}).items():
-            blocks = isinstance(value, dict)  # a list of blocks, counted (`builder.packaging._recorded`)
-            _set_dotted(self, dotted, CompiledBlocks(name, dotted, value["blocks"]) if blocks else value)
+            _set_dotted(self, dotted, value)
+        for dotted, count in entry.get("block_counts", {}).items():
+            _set_dotted(self, dotted, CompiledBlocks(name, dotted, count))
 
     def __getattr__(self, name: str) -> Any:
         try:
