@@ -262,11 +262,18 @@ def call_flop(module: torch.nn.Module, call: Any) -> float:
 def machine_peak(dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
     """GFLOP/s of this process's threads on the two kernels a denoiser's work is mostly made of: a
     4096^3 GEMM and a 3x3 convolution of 640 channels at 64x64 (channels_last), each its best of
-    `repeats` after a warm-up (oneDNN's kernels, the ceiling a compiled model can reach)."""
-    a, b = torch.randn(4096, 4096, dtype=dtype), torch.randn(4096, 4096, dtype=dtype)
-    image = torch.randn(1, 640, 64, 64, dtype=dtype).to(memory_format=torch.channels_last)
+    `repeats` after a warm-up (oneDNN's kernels, the ceiling a compiled model can reach). Where
+    oneDNN has no kernel in `dtype` (bf16 on an AVX2 CPU: under 1 GFLOP/s, 3 minutes a GEMM) a
+    1024^3 GEMM and the convolution at 16x16, once each."""
+    from ..spec.private_apis import onednn_runs
+
+    size, side = 4096, 64
+    if not onednn_runs(str(dtype).removeprefix("torch.")):
+        size, side, repeats = 1024, 16, 1
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    image = torch.randn(1, 640, side, side, dtype=dtype).to(memory_format=torch.channels_last)
     conv = torch.nn.Conv2d(640, 640, 3, padding=1, bias=False).to(dtype).to(memory_format=torch.channels_last)
-    kernels = {"linear": (lambda: a @ b, 2 * 4096**3), "conv3x3": (lambda: conv(image), 2 * 640 * 640 * 9 * 64 * 64)}
+    kernels = {"linear": (lambda: a @ b, 2 * size**3), "conv3x3": (lambda: conv(image), 2 * 640 * 640 * 9 * side**2)}
     peak = {}
     with torch.no_grad():
         for name, (run, flop) in kernels.items():
