@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import re
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -686,6 +685,8 @@ def not_derivable(class_name: str) -> str | None:
     diffusers pipeline class, or one that gets a spec)."""
     import diffusers
 
+    from .private_apis import sets_attention_processors
+
     cls = getattr(diffusers, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
         return None
@@ -720,7 +721,7 @@ def not_derivable(class_name: str) -> str | None:
     if "pag_scale" in call:
         return ("guides with perturbed attention (PAG): its call swaps the denoiser's attention for part of each "
                 "batch, which aotbuild does not compile; build the pipeline without PAG")
-    if _sets_attention(cls):  # Flux.2 [klein] KV's key/value cache, Attend-and-Excite, SAG, Text2Video-Zero
+    if sets_attention_processors(cls):  # FLUX.2 [klein] KV's key/value cache, Attend-and-Excite, SAG, Text2Video-Zero
         return (f"sets its {held}'s attention processors (its own attention, in place of the model's): a compiled "
                 f"{held}'s attention is fixed when it is built; build the pipeline that calls the model as it is")
     video = call.get("video")
@@ -884,16 +885,6 @@ def _seeded_pictures(names: tuple[str, ...], strength: bool, batch: int, height:
     pictures = {name: repaint_mask(height, width) if name == "mask_image" else seeded_image(height, width)
                 for name in names}
     return pictures | ({"strength": 1.0} if strength else {})
-
-
-def _sets_attention(cls: type) -> bool:
-    """Whether a pipeline class's own code sets its denoiser's attention processors (diffusers'
-    `set_attn_processor`, `set_processor`, or `.processor =`)."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return False
-    return re.search(r"\.(set_attn_processor|set_processor)\(|\.processor\s*=[^=]", source) is not None
 
 
 def _attributes_read(cls: type, attribute: str) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ __all__ = [
     "package_aoti", "python_printer", "pytree", "ray_started_head", "recording_folds", "rewriting_before_folds",
     "serve_http_port", "shape_env", "size_hints", "storage_at", "unwrap_tensor_subclasses", "versions",
     "check_inputs_multiple", "attributes_read", "returned_classes", "running_pipeline_call",
-    "ip_adapter_layers", "ip_adapter_loras", "onednn_runs",
+    "ip_adapter_layers", "ip_adapter_loras", "onednn_runs", "sets_attention_processors",
 ]
 
 
@@ -405,6 +405,20 @@ def attributes_read(cls: type, attribute: str) -> list[str]:
         return re.findall(rf"self\.{attribute}\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", inspect.getsource(cls))
     except (OSError, TypeError):
         return []
+
+
+def sets_attention_processors(cls: type) -> bool:
+    """Whether a pipeline class's own code sets its denoiser's attention processors (diffusers'
+    `set_attn_processor`, `set_processor`, or `.processor =`), read from its source. Without it: such
+    a pipeline (FLUX.2 [klein] KV's cache) would build, and fail at load or compute other attention."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\.(set_attn_processor|set_processor)\(|\.processor\s*=[^=]", source) is not None
 
 
 def returned_classes(forward: Callable) -> list[type]:
