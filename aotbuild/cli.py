@@ -768,6 +768,7 @@ def _mib(n: int) -> str:
 
 def _summary(folder: Path, m: dict[str, Any]) -> str:
     from .runtime import variant_coverage
+    from .spec.manifest import reference_dtype
     from .spec.pipelines import size_arguments
 
     t, env = m["target"], m["environment"]
@@ -784,8 +785,8 @@ def _summary(folder: Path, m: dict[str, Any]) -> str:
         + " ".join(f"{k}={v}" for k, v in m["optimizations"]["passes"].items()),
         "components",
     ]
-    compared = m["target"].get("reference_dtype", "float32")
-    reference = f" vs eager {compared}" if compared != "float32" else ""  # float32 unless the target said
+    compared = reference_dtype(m)
+    reference = f" vs eager {compared}" if compared != "float32" else ""
     for name, c in m["components"].items():
         layouts = len(c["constants"].get("layouts", {}))
         lines.append(f"  {name:<12} {c['package']} + {c['weights']} ({c['constants']['count']} constants, "

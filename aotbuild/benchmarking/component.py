@@ -35,7 +35,8 @@ import torch
 
 from ..errors import AotbuildError
 from ..runtime.openmp import spin_setting
-from ..spec.private_apis import attention_flop_formulas, fake_tensor_mode, pytree
+from ..runtime.weights import dtype_name
+from ..spec.private_apis import attention_flop_formulas, fake_tensor_mode, onednn_runs, pytree
 from .peers import PEERS, call_tensors, reference_call, tensor_program
 from .stats import quartiles
 
@@ -265,10 +266,8 @@ def machine_peak(dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
     `repeats` after a warm-up (oneDNN's kernels, the ceiling a compiled model can reach). Where
     oneDNN has no kernel in `dtype` (bf16 on an AVX2 CPU: under 1 GFLOP/s, 3 minutes a GEMM) a
     1024^3 GEMM and the convolution at 16x16, once each."""
-    from ..spec.private_apis import onednn_runs
-
     size, side = 4096, 64
-    if not onednn_runs(str(dtype).removeprefix("torch.")):
+    if not onednn_runs(dtype_name(dtype)):
         size, side, repeats = 1024, 16, 1
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     image = torch.randn(1, 640, side, side, dtype=dtype).to(memory_format=torch.channels_last)

@@ -15,7 +15,7 @@ from ..runtime import CompiledComponent
 from ..runtime.load import load_built_ip_adapter
 from ..runtime.regional import component_variants
 from ..runtime.variant import LoadContext
-from ..spec.manifest import validated_with_tf32, write_manifest
+from ..spec.manifest import reference_dtype, validated_with_tf32, write_manifest
 from ..spec.pipelines import PipelineSpec
 from ..spec.private_apis import pytree
 from . import optimize
@@ -42,11 +42,6 @@ def load_artifact(out: Path, manifest: dict[str, Any], device: torch.device) -> 
         warnings.simplefilter("ignore", SlowPrecisionWarning)  # the build said so as it began
         _, modules = load_components(out, device=device)
     return modules
-
-
-def reference_dtype(manifest: dict[str, Any]) -> str:
-    """The dtype of the eager pipeline the build compared with: float32 unless the target said its own."""
-    return manifest["target"].get("reference_dtype", "float32")
 
 
 def loaded_components(modules: dict[str, Any]) -> dict[str, CompiledComponent]:
@@ -126,12 +121,11 @@ def validate_loop(manifest: dict[str, Any], modules: dict[str, Any], pipe: Any, 
     errors = output_errors(got, loop.latents)
     tolerance = max(v["numerics"]["tolerance"] for name, entry in manifest["components"].items()
                     if spec.component(name).denoiser for v in entry["variants"])
+    against = f"eager {reference_dtype(manifest)}"
     record = {"steps": loop.steps, "at": loop.point, "compared": "final latents" if loop.output_type == "latent"
-              else "final images", **errors, "tolerance": tolerance,
-              "reference": f"eager {reference_dtype(manifest)}, unoptimized"}
+              else "final images", **errors, "tolerance": tolerance, "reference": f"{against}, unoptimized"}
     if (problem := beyond_tolerance(errors, tolerance)) and not allow_drift:
-        raise NumericsError(f"a {loop.steps}-step denoising loop at {loop.point} drifts from eager "
-                            f"{reference_dtype(manifest)}: its "
+        raise NumericsError(f"a {loop.steps}-step denoising loop at {loop.point} drifts from {against}: its "
                             f"{record['compared']}' {problem} (every single call was within it: the error grows "
                             f"over the steps)", hint="inspect the recipe, or accept with --allow-numerics-drift")
     return record

@@ -116,6 +116,12 @@ def check_libraries(manifest: dict[str, Any]) -> None:
                                            f"blocks: install diffusers=={built}, or rebuild it with this diffusers")
 
 
+def reference_dtype(manifest: dict[str, Any]) -> str:
+    """The dtype of the eager pipeline the build compared the artifact with: float32 unless the
+    target said its own (`reference_dtype`)."""
+    return manifest["target"].get("reference_dtype", "float32")
+
+
 def validated_with_tf32(manifest: dict[str, Any]) -> bool:
     """Whether the artifact's CUDA code was compiled and checked with TF32 matmuls (its calls turn
     them on for their own duration, see `runtime.variant.tf32`)."""
