@@ -24,6 +24,7 @@ from aotbuild.cli import main
 from aotbuild.errors import CorruptArtifactError, SourceError
 from aotbuild.generation.backends import prepare as prepare_backend
 from aotbuild.runtime.prepared import OPERATORS, PreparedConstants, prepare, resolve, sources
+from aotbuild.spec.private_apis import onednn_runs
 
 from .conftest import TARGETS, eager_pipeline, generate, make_lora
 
@@ -33,7 +34,7 @@ ATOL = 1e-4  # float32: measured ~2e-6 on [0, 1] images
 BF16_ATOL = 0.05  # bfloat16 against the same recipe run eager: measured 0.020 (0.014 against eager float32)
 # Inductor packs bf16 weights for oneDNN only where oneDNN computes bf16 (AVX-512, AMX); on an AVX2
 # CPU the packing tests take float32, which it packs on any x86.
-BF16_PACKED = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+BF16_PACKED = onednn_runs("bfloat16")
 PACKED_DTYPE = torch.bfloat16 if BF16_PACKED else torch.float32
 
 
